@@ -1,0 +1,144 @@
+"""Apply a tokenizer's chat template and mark which tokens are assistant tokens.
+
+The loss mask is found without the template's ``{% generation %}`` markers (few templates have
+them): each assistant turn ``i`` spans the characters between the render of ``messages[:i]``
+with the generation prompt (which ends with the assistant header) and the render of
+``messages[:i+1]``. The span is cut after its last special token, so it holds the assistant text
+and its end-of-turn token (``<|im_end|>``) but neither the header nor template glue after it.
+Tokens are then assigned to spans through the fast tokenizer's character offsets.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from data.formats import Conversation
+
+# A plain ChatML template (no default system prompt), for targets whose tokenizer has none:
+# set `data.chat_template: chatml` and make sure <|im_start|> / <|im_end|> are in the vocabulary.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class ChatTemplateError(ValueError):
+    """The chat template is missing or renders conversations in a way we cannot mask."""
+
+
+def resolve_chat_template(tokenizer: Any, chat_template: str | None = None) -> str:
+    """The template to use: ``chat_template`` ("chatml", a .jinja path or Jinja text) if given,
+    else the tokenizer's own. Raises :class:`ChatTemplateError` when there is none."""
+    if chat_template:
+        if chat_template == "chatml":
+            return CHATML_TEMPLATE
+        if chat_template.endswith(".jinja") and os.path.isfile(chat_template):
+            with open(chat_template, encoding="utf-8") as f:
+                return f.read()
+        return chat_template
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # some tokenizers keep several named templates
+        template = template.get("default")
+    if not template:
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise ChatTemplateError(
+            f"tokenizer {name!r} has no chat template; set `data.chat_template` to a Jinja "
+            "template, a .jinja file, or 'chatml'"
+        )
+    return template
+
+
+def render(messages: Conversation, tokenizer: Any, template: str, generation: bool) -> str:
+    """The template applied to ``messages`` as text (no tokenization)."""
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation, chat_template=template
+    )
+
+
+def special_token_strings(tokenizer: Any) -> list[str]:
+    """All special-token strings (bos/eos/pad and added special tokens), longest first."""
+    tokens = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    for added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(added, "special", False):
+            tokens.add(str(added))
+    return sorted((t for t in tokens if t), key=len, reverse=True)
+
+
+def assistant_spans(
+    messages: Conversation, tokenizer: Any, template: str
+) -> tuple[str, list[tuple[int, int]]]:
+    """Render the conversation; return the text and the ``[start, end)`` character span of each
+    assistant turn (its content and end-of-turn token)."""
+    text = render(messages, tokenizer, template, generation=False)
+    specials = special_token_strings(tokenizer)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        head = render(messages[:i], tokenizer, template, generation=True)
+        upto = render(messages[: i + 1], tokenizer, template, generation=False)
+        if not (upto.startswith(head) and text.startswith(upto)):
+            raise ChatTemplateError(
+                f"the chat template does not render turn {i} as a continuation of the turns "
+                "before it (it rewrites earlier turns), so assistant tokens cannot be located; "
+                "set `data.chat_template` to a template that renders turns incrementally"
+            )
+        spans.append((len(head), _cut_after_last_special(text, len(head), len(upto), specials)))
+    return text, spans
+
+
+def _cut_after_last_special(text: str, start: int, end: int, specials: list[str]) -> int:
+    """End the span after its last special token (the end-of-turn token), if it has one."""
+    best = -1
+    for token in specials:
+        found = text.rfind(token, start, end)
+        if found >= 0:
+            best = max(best, found + len(token))
+    return best if best > start else end
+
+
+def tokenize_conversation(
+    messages: Conversation, tokenizer: Any, max_length: int, chat_template: str | None = None
+) -> dict[str, torch.Tensor] | None:
+    """Tokenize one conversation with its chat template.
+
+    Returns ``{"input_ids": LongTensor[T], "loss_mask": LongTensor[T]}`` with ``T <= max_length``
+    and ``loss_mask[t] == 1`` exactly on assistant tokens, or None when truncation leaves no
+    assistant token (the caller counts and drops it)."""
+    template = resolve_chat_template(tokenizer, chat_template)
+    text, spans = assistant_spans(messages, tokenizer, template)
+    ids, mask = _tokenize_with_spans(text, spans, tokenizer)
+    ids, mask = ids[:max_length], mask[:max_length]
+    if not any(mask):
+        return None
+    return {
+        "input_ids": torch.tensor(ids, dtype=torch.long),
+        "loss_mask": torch.tensor(mask, dtype=torch.long),
+    }
+
+
+def _tokenize_with_spans(
+    text: str, spans: list[tuple[int, int]], tokenizer: Any
+) -> tuple[list[int], list[int]]:
+    """Token ids of ``text`` and a 0/1 mask: 1 where a token starts inside an assistant span."""
+    if getattr(tokenizer, "is_fast", False):
+        # The template already holds BOS etc., so the tokenizer must not add its own.
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        mask = [int(any(s <= start < e for s, e in spans)) for start, _ in enc["offset_mapping"]]
+        return ids, mask
+    # Slow tokenizers have no offsets: tokenize the pieces between span boundaries separately.
+    ids, mask, pos = [], [], 0
+    for start, end in [*spans, (len(text), len(text))]:
+        for piece, label in ((text[pos:start], 0), (text[start:end], 1)):
+            if piece:
+                piece_ids = tokenizer.encode(piece, add_special_tokens=False)
+                ids += piece_ids
+                mask += [label] * len(piece_ids)
+        pos = end
+    return ids, mask

@@ -1,0 +1,30 @@
+"""Draft heads and the frozen target they sit on."""
+
+from __future__ import annotations
+
+import os
+
+from heads.base import DraftHead, HeadMismatchError, LossOutput, read_head_config
+from heads.medusa import MedusaConfig, MedusaHeads
+
+# method name recorded in config.json -> class; EAGLE and EAGLE-3 register here too.
+HEAD_CLASSES: dict[str, type] = {"medusa": MedusaHeads}
+
+
+def from_pretrained(path: str | os.PathLike, target) -> DraftHead:
+    """Load any draftsmith head folder onto `target`, by the method its config.json records."""
+    doc = read_head_config(path)
+    method = doc["method"]
+    if method not in HEAD_CLASSES:
+        raise ValueError(f"{path}: unknown head method {method!r}; known: {sorted(HEAD_CLASSES)}.")
+    return HEAD_CLASSES[method].from_pretrained(path, target, doc=doc)
+
+
+__all__ = [
+    "DraftHead",
+    "HeadMismatchError",
+    "LossOutput",
+    "MedusaConfig",
+    "MedusaHeads",
+    "from_pretrained",
+]

@@ -1,0 +1,204 @@
+"""Medusa-1 heads (Cai et al., 2024, "Medusa: Simple LLM Inference Acceleration Framework with
+Multiple Decoding Heads").
+
+K extra heads sit on the frozen target's last hidden state h_t (after the final norm). The target's
+own lm_head already predicts x_{t+1}; head k (0-based) predicts x_{t+k+2}, so at decode time the
+heads fill depths 1..K of a tree whose root is the target's own next token. Each head is
+`num_layers` residual blocks x + SiLU(W x + b) (W, b zero-initialised, so an untrained head starts
+as the target's next-token distribution) followed by a vocabulary projection that is either the
+head's own (initialised from the target's lm_head rows) or the target's frozen lm_head, shared.
+With `draft_vocab_size` the projection scores only the D most frequent training tokens (d2t/t2d
+as in heads/vocab.py), which is what makes training and drafting cheap on a CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from heads.base import LossOutput, TargetInfo, check_target, load_head_tensors, masked_shift
+from heads.base import save_head as _save_head
+from heads.vocab import d2t_t2d, draft_to_target, target_to_draft
+
+METHOD = "medusa"
+
+
+@dataclass
+class MedusaConfig:
+    num_heads: int = 4
+    num_layers: int = 1
+    decay: float = 0.8  # head k's loss weight is decay**k
+    share_lm_head: bool = False  # True: project with the target's frozen lm_head (small ckpt)
+    draft_vocab_size: int | None = None  # None: the full target vocabulary
+    topk: int = 5  # the "top-k" accuracy reported next to top-1
+
+    def __post_init__(self) -> None:
+        if self.num_heads < 1:
+            raise ValueError(f"head.num_heads={self.num_heads}: need at least one head.")
+        if self.num_layers < 0:
+            raise ValueError(f"head.num_layers={self.num_layers}: use 0 or more residual blocks.")
+        if not 0 < self.decay <= 1:
+            raise ValueError(f"head.decay={self.decay}: use a weight in (0, 1].")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError("head.draft_vocab_size must be positive, or null for the full vocab.")
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), zero-initialised so the block starts as the identity."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K Medusa heads over one target. forward: (..., H) -> logits (K, ..., D)."""
+
+    method = METHOD
+
+    def __init__(
+        self,
+        config: MedusaConfig,
+        target_info: TargetInfo,
+        lm_head_weight: Tensor,
+        draft_ids: Tensor | None = None,
+    ):
+        super().__init__()
+        self.config = config
+        self.target_info = target_info
+        H, V = target_info.hidden_size, target_info.vocab_size
+        if tuple(lm_head_weight.shape) != (V, H):
+            raise ValueError(f"lm_head weight {tuple(lm_head_weight.shape)} != ({V}, {H})")
+        if draft_ids is None:
+            draft_ids = torch.arange(V)
+        d2t, t2d = d2t_t2d(draft_ids, V)
+        self.register_buffer("d2t", d2t)
+        self.register_buffer("t2d", t2d)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*[ResBlock(H) for _ in range(config.num_layers)])
+            for _ in range(config.num_heads)
+        )
+        rows = lm_head_weight.detach()
+        rows = rows if draft_ids.numel() == V else rows[draft_ids]
+        if config.share_lm_head:
+            # Frozen and not saved: rebuilt from the target's lm_head on load.
+            self.register_buffer("shared_proj", rows.clone(), persistent=False)
+            self.proj = None
+        else:
+            self.proj = nn.ParameterList(
+                nn.Parameter(rows.clone().float()) for _ in range(config.num_heads)
+            )
+
+    @classmethod
+    def for_target(cls, config: MedusaConfig, target, token_counts: Tensor | None = None):
+        """New heads for `target`; a reduced vocab needs label counts from the training data."""
+        draft_ids = None
+        if config.draft_vocab_size is not None and config.draft_vocab_size < target.vocab_size:
+            if token_counts is None:
+                raise ValueError("draft_vocab_size needs token counts of the training labels.")
+            from heads.vocab import select_draft_ids
+
+            draft_ids = select_draft_ids(token_counts, config.draft_vocab_size, _eos_ids(target))
+        return cls(config, TargetInfo.of(target), target.lm_head.weight, draft_ids)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return int(self.d2t.numel())
+
+    def feature_layers(self) -> list[int] | None:
+        return None
+
+    def projection(self, k: int) -> Tensor:
+        return self.shared_proj if self.proj is None else self.proj[k]
+
+    def head_logits(self, k: int, hidden: Tensor) -> Tensor:
+        """Logits of head k over the draft vocab: (..., H) -> (..., D)."""
+        return self.blocks[k](hidden) @ self.projection(k).t().to(hidden.dtype)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        dtype = self.blocks[0][0].linear.weight.dtype if self.config.num_layers else hidden.dtype
+        hidden = hidden.to(dtype)
+        return torch.stack([self.head_logits(k, hidden) for k in range(self.config.num_heads)])
+
+    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
+        return draft_to_target(draft_ids, self.d2t)
+
+    def target_to_draft(self, target_ids: Tensor) -> Tensor:
+        return target_to_draft(target_ids, self.t2d)
+
+    def loss(self, batch: dict[str, Tensor], features: dict[str, Tensor]) -> LossOutput:
+        """Weighted CE of every head over the positions whose label is an assistant token.
+
+        Only those positions are projected onto the vocabulary, which is most of the cost.
+        """
+        hidden = features["hidden"].to(self.d2t.device).float()  # (B, T, H)
+        ids, mask = batch["input_ids"], batch["loss_mask"]
+        total = hidden.new_zeros(())
+        stats: dict[str, Tensor] = {}
+        for k in range(self.config.num_heads):
+            shift = k + 2
+            valid = masked_shift(mask, shift).bool()  # (B, T): label at t + shift is assistant
+            labels = torch.zeros_like(ids)
+            labels[:, : ids.shape[1] - shift] = ids[:, shift:]
+            h = hidden[valid]  # (N, H)
+            target_ids = labels[valid]  # (N,)
+            draft_labels = self.target_to_draft(target_ids)
+            n = h.shape[0]
+            kk = min(self.config.topk, self.draft_vocab_size)
+            if n == 0:
+                for name in ("loss", "top1", f"top{kk}"):
+                    stats[f"head{k}/{name}"] = _pair(0.0, 0, hidden.device)
+                continue
+            logits = self.head_logits(k, h)  # (N, D)
+            inside = draft_labels >= 0
+            ce = F.cross_entropy(logits, draft_labels.clamp(min=0), reduction="none")
+            ce_sum = (ce * inside).sum()
+            n_inside = int(inside.sum())
+            if n_inside:
+                total = total + self.config.decay**k * ce_sum / n_inside
+            topk = logits.topk(kk, dim=-1).indices
+            hit = (topk == draft_labels[:, None]) & inside[:, None]
+            stats[f"head{k}/loss"] = _pair(ce_sum.detach(), n_inside, hidden.device)
+            stats[f"head{k}/top1"] = _pair(hit[:, 0].sum(), n, hidden.device)
+            stats[f"head{k}/top{kk}"] = _pair(hit.any(-1).sum(), n, hidden.device)
+        stats["loss"] = _pair(total.detach(), 1, hidden.device)
+        return LossOutput(total, stats)
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        tensors = {k: v for k, v in self.state_dict().items()}
+        _save_head(path, METHOD, self.config, self.target_info, tensors)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, target, doc: dict | None = None):
+        from heads.base import read_head_config
+
+        doc = doc or read_head_config(path)
+        info = TargetInfo(**doc["target"])
+        check_target(info, target, path)
+        config = MedusaConfig(**doc["config"])
+        tensors = load_head_tensors(path)
+        draft_ids = draft_to_target(torch.arange(tensors["d2t"].numel()), tensors["d2t"])
+        heads = cls(config, info, target.lm_head.weight, draft_ids)
+        heads.load_state_dict(tensors, strict=True)
+        return heads
+
+
+def _eos_ids(target) -> tuple[int, ...]:
+    tok = getattr(target, "tokenizer", None)
+    eos = getattr(tok, "eos_token_id", None) if tok is not None else None
+    return () if eos is None else (int(eos),)
+
+
+def _pair(value, count, device) -> Tensor:
+    """A `[sum, count]` statistic (see LossOutput)."""
+    value = torch.as_tensor(value, dtype=torch.float32, device=device).reshape(())
+    return torch.stack([value, torch.tensor(float(count), device=device)])

