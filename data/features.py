@@ -180,9 +180,10 @@ def load_feature_file(path: str, expected_meta: dict | None = None) -> list[Exam
             f"{FORMAT_VERSION}; delete the file to recompute it"
         )
     with safe_open(path, framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no iter)
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
     bounds = tensors.pop("offsets").tolist()
+    # Examples are views into the loaded tensors: no copy, the file's size in memory once.
     return [
-        {k: v[bounds[n] : bounds[n + 1]].clone() for k, v in tensors.items()}
+        {k: v[bounds[n] : bounds[n + 1]] for k, v in tensors.items()}
         for n in range(len(bounds) - 1)
     ]

@@ -114,7 +114,7 @@ def _iter_json(path: str) -> Iterator[tuple[str, dict]]:
 
 
 def _iter_dataset(dataset: Any, name: str) -> Iterator[tuple[str, dict]]:
-    if hasattr(dataset, "keys") and not hasattr(dataset, "column_names"):
+    if isinstance(dataset, dict):  # a DatasetDict is a dict of splits
         raise DataFormatError(
             f"{name}: got a DatasetDict with splits {list(dataset.keys())}; pick one split"
         )
@@ -231,7 +231,8 @@ def _from_alpaca(row: dict, where: str) -> Conversation:
 
 
 def _text(value: Any, where: str, field: Any) -> str:
-    """Content must be text; OpenAI-style lists of {"type": "text", "text": ...} parts are joined."""
+    """Content must be text; OpenAI-style lists of {"type": "text", "text": ...} parts are
+    joined."""
     if isinstance(value, str):
         return value
     if isinstance(value, list) and all(isinstance(p, dict) and "text" in p for p in value):
@@ -245,9 +246,7 @@ def _check_conversation(messages: Conversation, where: str) -> Conversation:
     # Assistant turns before the first user turn have no prompt to answer (some ShareGPT dumps
     # start with a greeting); chat templates cannot render them as a continuation, so drop them.
     first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
-    messages = [
-        m for i, m in enumerate(messages) if i >= first_user or m["role"] != "assistant"
-    ]
+    messages = [m for i, m in enumerate(messages) if i >= first_user or m["role"] != "assistant"]
     if not any(m["role"] == "assistant" for m in messages):
         raise DataFormatError(
             f"{where}: conversation has no assistant turn after a user turn, so it has nothing "

@@ -50,6 +50,12 @@ class TargetConfig:
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
     chat_template: str | None = None
+    # For tests and smoke runs: build a randomly initialised model of this architecture (an HF
+    # config dict with `model_type`) instead of loading weights; `tokenizer` names where the
+    # tokenizer comes from (an embedded name, Hub id or folder).
+    random_init: dict | None = None
+    tokenizer: str | None = None
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.name_or_path in ("", "???"):
@@ -181,10 +187,36 @@ def resolve_source(cfg: TargetConfig) -> tuple[str, dict]:
     return cfg.name_or_path, {}
 
 
+def load_tokenizer(name_or_path: str, cfg: TargetConfig):
+    from transformers import AutoTokenizer
+
+    source, extra = resolve_source(TargetConfig(name_or_path=name_or_path, cache_dir=cfg.cache_dir))
+    return AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code, **extra)
+
+
+def random_target(cfg: TargetConfig) -> Target:
+    """A randomly initialised model (fixed seed) with a real tokenizer: smoke tests and CI."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(cfg.random_init)
+    model_type = spec.pop("model_type")
+    tokenizer = load_tokenizer(cfg.tokenizer or "smollm2_135m", cfg)
+    spec.setdefault("vocab_size", len(tokenizer))
+    hf_cfg = AutoConfig.for_model(model_type, **spec)
+    hf_cfg._attn_implementation = cfg.attn_implementation
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=DTYPES.get(cfg.dtype, torch.float32))
+    if cfg.chat_template:
+        tokenizer.chat_template = cfg.chat_template
+    return Target(model, tokenizer, name_or_path=cfg.name_or_path)
+
+
 def load_target(cfg: TargetConfig) -> Target:
     """Load the frozen target and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if cfg.random_init is not None:
+        return random_target(cfg)
     source, extra = resolve_source(cfg)
     dtype = "auto" if cfg.dtype == "auto" else DTYPES[cfg.dtype]
     tokenizer = AutoTokenizer.from_pretrained(
