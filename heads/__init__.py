@@ -11,6 +11,14 @@ from heads.medusa import MedusaConfig, MedusaHeads
 HEAD_CLASSES: dict[str, type] = {"medusa": MedusaHeads}
 
 
+def build_head(config, target, token_counts=None) -> DraftHead:
+    """A new head for `target` from its config dataclass (the config's type picks the method)."""
+    for cls in HEAD_CLASSES.values():
+        if isinstance(config, cls.config_class):
+            return cls.for_target(config, target, token_counts=token_counts)
+    raise TypeError(f"no head class takes a {type(config).__name__}; known: {sorted(HEAD_CLASSES)}")
+
+
 def from_pretrained(path: str | os.PathLike, target) -> DraftHead:
     """Load any draftsmith head folder onto `target`, by the method its config.json records."""
     doc = read_head_config(path)
@@ -26,5 +34,6 @@ __all__ = [
     "LossOutput",
     "MedusaConfig",
     "MedusaHeads",
+    "build_head",
     "from_pretrained",
 ]

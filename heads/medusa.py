@@ -64,6 +64,7 @@ class MedusaHeads(nn.Module):
     """K Medusa heads over one target. forward: (..., H) -> logits (K, ..., D)."""
 
     method = METHOD
+    config_class = MedusaConfig
 
     def __init__(
         self,

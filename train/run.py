@@ -1,0 +1,151 @@
+"""`run(cfg)`: the training recipe behind `python train.py +experiment=...`.
+
+Linear on purpose: load the target, read and tokenize the data, build the head, compute target
+features once (when `data.features=memory`), train, report. Hydra's `_target_` entries are
+instantiated here, at the edge; everything below takes dataclasses.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+import heads
+from data.dataset import (
+    DataSource,
+    ExampleDataset,
+    build_examples,
+    collate,
+    corpus_stats,
+    load_conversations,
+    split_examples,
+)
+from data.features import compute_features
+from heads.target import Target, load_target
+from heads.vocab import count_tokens
+from train.config import TrainerConfig
+from train.loop import TrainResult, train
+from train.tracking import Tracker, env_rank
+
+log = logging.getLogger(__name__)
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class PreparedData:
+    train: list[dict]
+    val: list[dict]
+
+
+def resolve_path(path: str) -> str:
+    """A relative data path: the working directory first, then the repository root."""
+    p = Path(path).expanduser()
+    if p.is_absolute() or p.exists():
+        return str(p)
+    in_repo = REPO_ROOT / p
+    return str(in_repo) if in_repo.exists() else path
+
+
+def prepare_data(data_cfg: DictConfig, target: Target) -> PreparedData:
+    """Read, tokenize and split the conversations (the same on every process)."""
+    sources = [instantiate(s) for s in data_cfg.sources]
+    sources = [
+        DataSource(**{**vars(s), "path": resolve_path(s.path)}) if isinstance(s, DataSource) else s
+        for s in sources
+    ]
+    conversations = load_conversations(sources)
+    examples = build_examples(
+        conversations, target.tokenizer, data_cfg.max_length, data_cfg.get("chat_template")
+    )
+    train_ex, val_ex = split_examples(examples, data_cfg.val_fraction, data_cfg.split_seed)
+    if data_cfg.get("max_train_examples"):
+        train_ex = train_ex[: data_cfg.max_train_examples]
+    if data_cfg.get("max_val_examples"):
+        val_ex = val_ex[: data_cfg.max_val_examples]
+    log.info("train %s | val %s", corpus_stats(train_ex), corpus_stats(val_ex))
+    return PreparedData(train_ex, val_ex)
+
+
+def attach_features(data: PreparedData, target: Target, layers, data_cfg: DictConfig) -> None:
+    """Compute the target's features once; every epoch then reuses them ("memory" mode)."""
+    if data_cfg.features == "online":
+        return
+    if data_cfg.features != "memory":
+        raise ValueError(f"data.features={data_cfg.features!r}: use 'memory' or 'online'.")
+    dtype = getattr(torch, data_cfg.feature_dtype)
+    kwargs = dict(layers=layers, batch_tokens=data_cfg.feature_batch_tokens, dtype=dtype)
+    data.train = compute_features(data.train, target, **kwargs)
+    data.val = compute_features(data.val, target, **kwargs)
+
+
+def build_head(head_cfg: Any, target: Target, train_examples: list[dict]):
+    counts = count_tokens(train_examples, target.vocab_size)
+    return heads.build_head(head_cfg, target, token_counts=counts)
+
+
+def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> TrainResult:
+    """Train the configured head; returns the TrainResult (the head lands in run_dir/head)."""
+    run_dir = Path(run_dir or _hydra_run_dir())
+    torch.manual_seed(cfg.seed)
+    target = load_target(instantiate(cfg.model))
+    data = prepare_data(cfg.data, target)
+    head = build_head(instantiate(cfg.head), target, data.train)
+    attach_features(data, target, head.feature_layers(), cfg.data)
+    trainer_cfg: TrainerConfig = instantiate(cfg.trainer)
+    tracker = Tracker(instantiate(cfg.logger), run_dir, is_main=env_rank() == 0)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    if env_rank() == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+    tracker.log_config(resolved)
+    callbacks = [instantiate(c) for c in cfg.get("callbacks", None) or []]
+    pad_id = target.tokenizer.pad_token_id or 0
+    result = train(
+        head,
+        target,
+        ExampleDataset(data.train),
+        ExampleDataset(data.val) if data.val else None,
+        partial(collate, pad_id=pad_id),
+        trainer_cfg,
+        run_dir,
+        tracker=tracker,
+        callbacks=callbacks,
+    )
+    tracker.finish()
+    if env_rank() == 0:
+        print(format_summary(result, run_dir))
+    return result
+
+
+def format_summary(result: TrainResult, run_dir: Path) -> str:
+    """Per-head validation accuracy and throughput, as printed at the end of a run."""
+    lines = [f"run dir: {run_dir}", f"steps: {result.step}  time: {result.elapsed_s:.0f}s"]
+    if result.elapsed_s > 0:
+        lines.append(
+            f"training tokens/s: {result.tokens / result.elapsed_s:.0f} "
+            f"(loss tokens/s: {result.loss_tokens / result.elapsed_s:.0f})"
+        )
+    per_head = sorted(k for k in result.val_metrics if k.endswith("/top1") and "head" in k)
+    for key in per_head:
+        name = key.split("/")[-2]
+        top5 = result.val_metrics.get(key.replace("top1", "top5"))
+        extra = f"  top-5 {top5:.3f}" if top5 is not None else ""
+        lines.append(f"validation {name}: top-1 {result.val_metrics[key]:.3f}{extra}")
+    if result.head_dir is not None:
+        size = sum(f.stat().st_size for f in Path(result.head_dir).iterdir())
+        lines.append(f"head: {result.head_dir} ({size / 2**20:.1f} MiB)")
+    return "\n".join(lines)
+
+
+def _hydra_run_dir() -> str:
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get().runtime.output_dir
