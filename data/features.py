@@ -187,3 +187,47 @@ def load_feature_file(path: str, expected_meta: dict | None = None) -> list[Exam
         {k: v[bounds[n] : bounds[n + 1]] for k, v in tensors.items()}
         for n in range(len(bounds) - 1)
     ]
+
+
+class LazyFeatureDataset(torch.utils.data.Dataset):
+    """Examples whose target features are computed the first time each one is read, then kept.
+
+    The first epoch pays one target forward per example (unpadded, on the target's device) and
+    every later epoch reuses the stored features, so a short run (`trainer.max_steps=3`) only
+    computes what it reads. Use it with `num_workers=0`: the target lives in this process.
+    """
+
+    def __init__(
+        self,
+        examples: Sequence[Example],
+        target: Any,
+        layers: Sequence[int] | None = None,
+        dtype: torch.dtype = torch.float16,
+    ) -> None:
+        self.examples = list(examples)
+        self.target, self.layers, self.dtype = target, list(layers) if layers else None, dtype
+        self._cache: dict[int, Example] = {}
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def lengths(self) -> list[int]:
+        return [len(e["input_ids"]) for e in self.examples]
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cache)
+
+    @torch.no_grad()
+    def __getitem__(self, index: int) -> Example:
+        if index not in self._cache:
+            example = self.examples[index]
+            device = _target_device(self.target)
+            ids = example["input_ids"][None].to(device)  # (1, T)
+            out = self.target.features(ids, torch.ones_like(ids), self.layers)
+            cached = dict(example)
+            for key in FEATURE_KEYS:
+                if key in out and (key == "hidden" or self.layers):
+                    cached[key] = out[key][0].to("cpu", self.dtype).clone()  # (T, ...)
+            self._cache[index] = cached
+        return self._cache[index]

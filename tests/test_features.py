@@ -101,3 +101,31 @@ def test_load_refuses_another_target_or_layers(tiny_llama, tmp_path):
     with pytest.raises(FeatureCacheMismatch, match=r"layers=None .* layers=\[1, 2\]"):
         load_feature_file(path, expected_meta=feature_meta(tiny_llama, layers=[1, 2]))
     assert len(load_feature_file(path, expected_meta=feature_meta(tiny_llama))) == 2
+
+
+def test_lazy_features_match_batched_and_are_computed_once(tiny_llama):
+    from data.features import LazyFeatureDataset
+
+    g = torch.Generator().manual_seed(1)
+    examples = [
+        {"input_ids": torch.randint(4, 200, (n,), generator=g), "loss_mask": torch.ones(n).long()}
+        for n in (5, 9, 7)
+    ]
+    calls = []
+    original = tiny_llama.features
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    tiny_llama.features = counting
+    lazy = LazyFeatureDataset(examples, tiny_llama, layers=[1], dtype=torch.float32)
+    eager = compute_features(examples, tiny_llama, layers=[1], dtype=torch.float32, progress=False)
+    calls.clear()
+    for _ in range(3):  # three "epochs"
+        for i in range(len(lazy)):
+            item = lazy[i]
+            assert torch.allclose(item["hidden"], eager[i]["hidden"], atol=1e-5)
+            assert torch.allclose(item["aux"], eager[i]["aux"], atol=1e-5)
+    assert len(calls) == len(examples) and lazy.num_cached == len(examples)
+    assert "hidden" not in examples[0]  # the source examples are not modified

@@ -28,7 +28,7 @@ from data.dataset import (
     load_conversations,
     split_examples,
 )
-from data.features import compute_features
+from data.features import LazyFeatureDataset
 from heads.target import Target, load_target
 from heads.vocab import count_tokens
 from train.config import TrainerConfig
@@ -74,16 +74,18 @@ def prepare_data(data_cfg: DictConfig, target: Target) -> PreparedData:
     return PreparedData(train_ex, val_ex)
 
 
-def attach_features(data: PreparedData, target: Target, layers, data_cfg: DictConfig) -> None:
-    """Compute the target's features once; every epoch then reuses them ("memory" mode)."""
+def feature_datasets(data: PreparedData, target: Target, layers, data_cfg: DictConfig):
+    """Train/val datasets with target features: "memory" computes each example's features the
+    first time it is read and keeps them for every later epoch; "online" recomputes per batch."""
     if data_cfg.features == "online":
-        return
+        return ExampleDataset(data.train), ExampleDataset(data.val)
     if data_cfg.features != "memory":
         raise ValueError(f"data.features={data_cfg.features!r}: use 'memory' or 'online'.")
     dtype = getattr(torch, data_cfg.feature_dtype)
-    kwargs = dict(layers=layers, batch_tokens=data_cfg.feature_batch_tokens, dtype=dtype)
-    data.train = compute_features(data.train, target, **kwargs)
-    data.val = compute_features(data.val, target, **kwargs)
+    return (
+        LazyFeatureDataset(data.train, target, layers, dtype),
+        LazyFeatureDataset(data.val, target, layers, dtype),
+    )
 
 
 def build_head(head_cfg: Any, target: Target, train_examples: list[dict]):
@@ -98,7 +100,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> TrainResul
     target = load_target(instantiate(cfg.model))
     data = prepare_data(cfg.data, target)
     head = build_head(instantiate(cfg.head), target, data.train)
-    attach_features(data, target, head.feature_layers(), cfg.data)
+    train_set, val_set = feature_datasets(data, target, head.feature_layers(), cfg.data)
     trainer_cfg: TrainerConfig = instantiate(cfg.trainer)
     tracker = Tracker(instantiate(cfg.logger), run_dir, is_main=env_rank() == 0)
     resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -111,8 +113,8 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> TrainResul
     result = train(
         head,
         target,
-        ExampleDataset(data.train),
-        ExampleDataset(data.val) if data.val else None,
+        train_set,
+        val_set if len(val_set) else None,
         partial(collate, pad_id=pad_id),
         trainer_cfg,
         run_dir,
