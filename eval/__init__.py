@@ -1,0 +1,42 @@
+"""Speculative decoding: draft trees, KV-cache surgery, verifiers, the decoding loop."""
+
+from eval.generator import GenerationResult, SpeculativeGenerator, plain_decode, plain_greedy
+from eval.proposers import DecodeState, MedusaProposer, Proposer
+from eval.tree import (
+    Draft,
+    TreeBuffers,
+    build_tree,
+    build_tree_from_parents,
+    chain_tree,
+    load_tree_paths,
+)
+from eval.verify import (
+    GreedyVerifier,
+    SpeculativeSampler,
+    TypicalVerifier,
+    Verdict,
+    Verifier,
+    make_verifier,
+)
+
+__all__ = [
+    "DecodeState",
+    "Draft",
+    "GenerationResult",
+    "GreedyVerifier",
+    "MedusaProposer",
+    "Proposer",
+    "SpeculativeGenerator",
+    "SpeculativeSampler",
+    "TreeBuffers",
+    "TypicalVerifier",
+    "Verdict",
+    "Verifier",
+    "build_tree",
+    "build_tree_from_parents",
+    "chain_tree",
+    "load_tree_paths",
+    "make_verifier",
+    "plain_decode",
+    "plain_greedy",
+]
