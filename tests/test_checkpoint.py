@@ -1,0 +1,202 @@
+"""Checkpoints: atomic writes, keep-last-k, and resume that reproduces an uninterrupted run
+bit for bit (weights, optimizer, scheduler, RNG and data position)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests._dummy_head import DummyHead, collate_with_ids, make_examples, make_target
+from train import checkpoint as ckpt
+from train.config import TrainerConfig
+from train.loop import Trainer
+from train.tracking import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target()
+
+
+def run(target, run_dir, *, stop_at=None, head=None, examples=10, **overrides) -> tuple:
+    """Train a dropout DummyHead with grad_accum 2 for up to 6 steps; returns (head, result).
+
+    10 examples in micro-batches of 2 make 5 per epoch, so step 3 ends inside epoch 1 and the
+    run crosses two epoch boundaries; dropout makes the result depend on the RNG state.
+    """
+    base = dict(
+        lr=1e-2,
+        warmup_steps=2,
+        max_steps=6,
+        batch_size=2,
+        grad_accum=2,
+        save_every=3,
+        log_every=1,
+        progress=False,
+        seed=0,
+    )
+    cfg = TrainerConfig(**{**base, **overrides})
+    head = head or DummyHead(dropout=0.1)
+    trainer = Trainer(
+        head,
+        cfg,
+        run_dir,
+        train_dataset=make_examples(examples),
+        collate_fn=collate_with_ids,
+        target=target,
+        val_dataset=make_examples(3, seed=1),
+        callbacks=[lambda state: state.step == stop_at] if stop_at else (),
+    )
+    return head, trainer.fit()
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(x, y), name
+
+
+def train_losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
+
+
+def test_resume_reproduces_the_uninterrupted_run_exactly(target, tmp_path):
+    straight, full = run(target, tmp_path / "straight")
+    _, first = run(target, tmp_path / "resumed", stop_at=3)
+    assert first.stopped_early and first.step == 3 and first.head_dir is None
+    assert ckpt.latest_checkpoint(tmp_path / "resumed").name == "step_3"
+    state = json.loads((first.checkpoint / ckpt.STATE_FILE).read_text())
+    assert (state["epoch"], state["batch_in_epoch"]) == (1, 1)  # 6 micro-batches, 5 per epoch
+
+    resumed, second = run(target, tmp_path / "resumed", head=DummyHead(dropout=0.1, seed=99))
+    assert second.step == 6 and not second.stopped_early
+    assert_same_weights(straight, resumed)
+    assert (second.tokens, second.loss_tokens) == (full.tokens, full.loss_tokens)
+    assert second.val_metrics == full.val_metrics
+    assert train_losses(tmp_path / "resumed") == train_losses(tmp_path / "straight")
+    steps = [r["step"] for r in read_metrics(tmp_path / "resumed") if "train/loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]  # no step logged twice
+
+
+def test_resume_restores_the_rng(target, tmp_path, monkeypatch):
+    # the same stop/resume without restoring RNG states must differ (dropout masks change),
+    # which shows the exact-resume test really exercises the RNG path
+    straight, _ = run(target, tmp_path / "straight")
+    run(target, tmp_path / "resumed", stop_at=3)
+    monkeypatch.setattr("train.loop.restore_rng_state", lambda state: None)
+    resumed, _ = run(target, tmp_path / "resumed")
+    assert not torch.equal(straight.proj.weight, resumed.proj.weight)
+
+
+def test_resume_ignores_a_checkpoint_left_half_written(target, tmp_path):
+    straight, _ = run(target, tmp_path / "straight")
+    run(target, tmp_path / "crashed", stop_at=3)
+    root = ckpt.checkpoint_root(tmp_path / "crashed")
+    tmp = root / ".step_6.tmp-crash"  # what a kill during the rename-less write leaves
+    tmp.mkdir()
+    (tmp / ckpt.HEAD_FILE).write_bytes(b"half a file")
+    (tmp / ckpt.STATE_FILE).write_text(json.dumps({"step": 6}))
+    (root / "step_9").mkdir()  # a copy without its state file is not complete either
+    assert ckpt.latest_checkpoint(tmp_path / "crashed").name == "step_3"
+
+    resumed, result = run(target, tmp_path / "crashed")
+    assert result.step == 6
+    assert_same_weights(straight, resumed)
+    assert not tmp.exists()  # the next successful save cleared the leftover
+
+
+def test_a_failed_write_leaves_no_checkpoint(tmp_path, monkeypatch):
+    real_save = torch.save
+
+    def failing_save(obj, path, *args, **kwargs):
+        if Path(path).name == ckpt.SCHEDULER_FILE:
+            raise OSError("disk full")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.torch, "save", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.save_checkpoint(
+            tmp_path,
+            ckpt.TrainState(step=4),
+            head={"w": torch.ones(2)},
+            optimizer={},
+            scheduler={},
+            rng=[ckpt.capture_rng_state()],
+        )
+    assert list(ckpt.checkpoint_root(tmp_path).iterdir()) == []
+
+
+def test_keep_last_prunes_old_checkpoints(target, tmp_path):
+    _, result = run(target, tmp_path, max_steps=4, save_every=1, keep_last=2)
+    assert [step for step, _ in ckpt.list_checkpoints(tmp_path)] == [3, 4]
+    assert result.checkpoint == ckpt.checkpoint_root(tmp_path) / "step_4"
+    files = sorted(p.name for p in result.checkpoint.iterdir())
+    assert files == sorted(
+        [ckpt.HEAD_FILE, ckpt.OPTIMIZER_FILE, ckpt.SCHEDULER_FILE, ckpt.RNG_FILE, ckpt.STATE_FILE]
+    )
+    loaded = ckpt.load_checkpoint(result.checkpoint)
+    assert loaded.state.step == 4 and len(loaded.rng) == 1
+    assert set(loaded.head) == {"proj.weight", "proj.bias"}
+
+
+def test_resume_modes(target, tmp_path):
+    run(target, tmp_path / "a", stop_at=3)
+    first = ckpt.checkpoint_root(tmp_path / "a") / "step_3"
+    _, fresh = run(target, tmp_path / "a", resume="never", max_steps=2, save_every=0)
+    assert fresh.tokens < 100 and fresh.step == 2  # started from step 0
+    _, elsewhere = run(target, tmp_path / "b", resume=str(first))
+    assert elsewhere.step == 6 and (tmp_path / "b" / "head").is_dir()
+    # a finished run launched again does no more steps and keeps its checkpoint
+    head, again = run(target, tmp_path / "b")
+    assert again.step == 6 and again.checkpoint.name == "step_6"
+    assert not again.stopped_early
+
+
+def test_rng_state_round_trip(tmp_path):
+    state = ckpt.capture_rng_state()
+    draws = (random.random(), np.random.rand(), torch.rand(1))
+    torch.save([state], tmp_path / "rng.pt")
+    ckpt.restore_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True)[0])
+    assert (random.random(), np.random.rand(), torch.rand(1)) == draws
+
+
+def test_killed_process_resumes_to_the_same_weights(target, tmp_path):
+    """A real crash: a subprocess dies (os._exit) while writing the step-4 checkpoint."""
+    args = ["--max-steps", "6", "--save-every", "2", "--grad-accum", "2", "--dropout", "0.1"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(REPO / "tests" / "_mp_script.py"), "--run-dir", str(tmp_path)]
+    proc = subprocess.run(
+        [*cmd, *args, "--crash-in-save", "4"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 17, proc.stderr[-2000:]
+    root = ckpt.checkpoint_root(tmp_path)
+    assert [p.name for p in root.iterdir() if p.name.startswith(".step_4.")]  # half-written
+    assert ckpt.latest_checkpoint(tmp_path).name == "step_2"
+
+    from tests._mp_script import datasets
+
+    train_set, val_set = datasets(16, 7)
+    heads = {}
+    for name, run_dir in (("straight", tmp_path / "straight"), ("resumed", tmp_path)):
+        cfg = TrainerConfig(lr=1e-2, warmup_steps=1, max_steps=6, batch_size=2, grad_accum=2,
+                            save_every=2, keep_last=0, log_every=1, progress=False)  # fmt: skip
+        heads[name] = DummyHead(dropout=0.1)
+        Trainer(
+            heads[name],
+            cfg,
+            run_dir,
+            train_dataset=train_set,
+            collate_fn=collate_with_ids,
+            target=make_target(),
+            val_dataset=val_set,
+        ).fit()
+    assert_same_weights(heads["straight"], heads["resumed"])

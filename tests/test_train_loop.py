@@ -1,0 +1,210 @@
+"""The training loop on a tiny random Llama with a dummy head: optimisation, schedule,
+accumulation, features, validation and tracking. Each test runs in well under a second."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests._dummy_head import (
+    DummyHead,
+    collate_with_ids,
+    label_count,
+    make_examples,
+    make_target,
+)
+from train.config import TrainerConfig, resolve_mixed_precision
+from train.loop import Trainer, batch_features, train
+from train.optim import build_optimizer, build_scheduler, lr_multiplier
+from train.tracking import LoggerConfig, Tracker, read_metrics
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target()
+
+
+def config(**overrides) -> TrainerConfig:
+    base = dict(lr=1e-2, batch_size=2, max_steps=2, log_every=1, progress=False, seed=0)
+    return TrainerConfig(**{**base, **overrides})
+
+
+def head_loss(head, target, examples) -> float:
+    batch = collate_with_ids(examples)
+    head.eval()
+    with torch.no_grad():
+        return float(head.loss(batch, batch_features(batch, target, None)).loss)
+
+
+def test_one_step_lowers_loss_on_a_fixed_batch(target, tmp_path):
+    examples = make_examples(4)
+    head = DummyHead()
+    before = head_loss(head, target, examples)
+    cfg = config(batch_size=4, max_steps=1, max_grad_norm=0.0, lr=5e-2)
+    result = train(head, target, examples, None, collate_with_ids, cfg, tmp_path)
+    assert result.step == 1 and result.tokens == sum(len(e["input_ids"]) for e in examples)
+    assert result.loss_tokens == sum(int(e["loss_mask"].sum()) for e in examples)
+    assert head_loss(head, target, examples) < before
+    assert (tmp_path / "head" / "model.safetensors").is_file()
+
+
+def test_warmup_then_cosine_schedule():
+    values = [lr_multiplier(s, warmup=2, total=10) for s in range(11)]
+    assert values[:3] == [0.5, 1.0, 1.0]
+    assert values[6] == pytest.approx(0.5)  # halfway through the 8 decay updates
+    assert values[10] == pytest.approx(0.0, abs=1e-12)
+    assert all(a >= b for a, b in zip(values[1:], values[2:], strict=False))
+    assert lr_multiplier(10, 2, 10, min_ratio=0.1) == pytest.approx(0.1)
+
+    head = DummyHead()
+    opt = build_optimizer(head, config(lr=1.0))
+    sched = build_scheduler(opt, warmup=2, total=10, min_ratio=0.0)
+    seen = []
+    for _ in range(4):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([0.5, 1.0, 1.0, 0.5 * (1 + math.cos(math.pi / 8))])
+
+
+def test_weight_decay_skips_vectors():
+    opt = build_optimizer(DummyHead(), config(weight_decay=0.1))
+    decays = {tuple(p.shape): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    assert decays == {(128, 32): 0.1, (128,): 0.0}
+
+
+def test_grad_accumulation_matches_a_big_batch(target, tmp_path):
+    # equal lengths, so the mean of micro-batch means equals the mean over the big batch
+    examples = make_examples(8, min_len=8, max_len=8)
+    heads = []
+    for name, bs, accum in (("big", 4, 1), ("accum", 2, 2)):
+        head = DummyHead()
+        cfg = config(batch_size=bs, grad_accum=accum, max_steps=2, warmup_steps=1)
+        result = train(head, target, examples, None, collate_with_ids, cfg, tmp_path / name)
+        assert result.step == 2 and result.tokens == 64
+        heads.append(head)
+    for a, b in zip(heads[0].parameters(), heads[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(heads[0].proj.weight, DummyHead().proj.weight)
+
+
+def test_batch_features_cached_or_online(target):
+    batch = collate_with_ids(make_examples(2))
+    online = batch_features(batch, target, None)
+    assert online["hidden"].shape == (*batch["input_ids"].shape, 32)
+    assert not online["hidden"].requires_grad
+    cached = {**batch, "hidden": online["hidden"].half()}
+    assert batch_features(cached, None, None)["hidden"] is cached["hidden"]
+    with pytest.raises(ValueError, match="no target was given"):
+        batch_features(batch, None, None)
+    with pytest.raises(ValueError, match="rebuild the feature cache"):
+        batch_features(cached, target, [0, 1])
+
+
+def test_offline_features_train_like_online(target, tmp_path):
+    examples = make_examples(4)
+    cached = []
+    for e in examples:  # what a feature cache stores: the target's hidden states per example
+        feats = target.features(e["input_ids"][None], torch.ones_like(e["input_ids"])[None])
+        cached.append({**e, "hidden": feats["hidden"][0]})
+    heads = [DummyHead(), DummyHead()]
+    cfg = config(batch_size=2, max_steps=2)
+    train(heads[0], target, examples, None, collate_with_ids, cfg, tmp_path / "online")
+    train(heads[1], None, cached, None, collate_with_ids, cfg, tmp_path / "offline")
+    torch.testing.assert_close(heads[0].proj.weight, heads[1].proj.weight)
+
+
+def test_validation_sums_stats_over_the_whole_split(target, tmp_path):
+    train_set, val_set = make_examples(6), make_examples(5, seed=1)
+    cfg = config(max_steps=3, eval_every=2, eval_batch_size=2)
+    result = train(DummyHead(), target, train_set, val_set, collate_with_ids, cfg, tmp_path)
+    total, count = result.val_totals["head0/top1"]
+    assert count == label_count(val_set)
+    assert result.val_metrics["val/head0/top1"] == total / count
+    records = read_metrics(tmp_path)
+    val_steps = [r["step"] for r in records if "val/loss" in r]
+    assert val_steps == [2, 3]  # every eval_every steps, and once at the end
+    train_records = [r for r in records if "train/loss" in r]
+    assert [r["step"] for r in train_records] == [1, 2, 3]
+    for key in ("train/lr", "train/tokens_per_s", "train/head0/top1", "train/grad_norm"):
+        assert key in train_records[0]
+    assert train_records[-1]["train/tokens"] == result.tokens
+
+
+def test_epochs_decide_the_length_when_max_steps_is_zero(target, tmp_path):
+    cfg = config(max_steps=0, num_epochs=2, batch_size=2, grad_accum=2)
+    result = train(DummyHead(), target, make_examples(9), None, collate_with_ids, cfg, tmp_path)
+    assert result.step == 4  # 9 // 2 = 4 batches per epoch (last one dropped), 2 per step
+    assert (result.epoch, result.stopped_early) == (1, False)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(lr=0), "positive learning rate"),
+        (dict(mixed_precision="fp8"), "mixed_precision"),
+        (dict(warmup_steps=2, warmup_ratio=0.1), "not both"),
+        (dict(grad_accum=0), "grad_accum"),
+        (dict(resume="/no/such/checkpoint"), "resume="),
+        (dict(max_steps=0, num_epochs=0), "how long to train"),
+    ],
+)
+def test_config_errors_say_what_to_change(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        TrainerConfig(**overrides)
+
+
+def test_config_accepts_hydra_style_lists():
+    cfg = TrainerConfig(betas=[0.8, 0.9], warmup_ratio=0.25)
+    assert cfg.betas == (0.8, 0.9) and cfg.warmup_for(8) == 2
+
+
+def test_too_little_data_is_an_error(target, tmp_path):
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        Trainer(
+            DummyHead(),
+            config(batch_size=8),
+            tmp_path,
+            train_dataset=make_examples(3),
+            collate_fn=collate_with_ids,
+            target=target,
+        )
+
+
+def test_mixed_precision_auto_is_off_without_cuda():
+    expected = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    assert resolve_mixed_precision("auto") == expected
+    assert resolve_mixed_precision("fp16") == "fp16"
+
+
+def test_tracker_writes_jsonl_on_main_only(tmp_path):
+    with Tracker(LoggerConfig(mode="disabled"), tmp_path / "main") as main:
+        main.log({"train/loss": torch.tensor(1.5)}, step=3)
+        main.log({"train/loss": 1.0}, step=4)
+        main.rewind(3)
+    assert read_metrics(tmp_path / "main") == [{"step": 3, "train/loss": 1.5}]
+    with Tracker(LoggerConfig(mode="disabled"), tmp_path / "other", is_main=False) as other:
+        other.log({"x": 1}, step=1)
+    assert not (tmp_path / "other").exists()
+    with pytest.raises(ValueError, match="offline"):
+        LoggerConfig(mode="dryrun")
+
+
+def test_wandb_offline_writes_locally(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_env"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens there
+    cfg = LoggerConfig(mode="offline", run_name="t", tags=["test"], dir=str(tmp_path / "wb"))
+    folder = tmp_path / "art"
+    folder.mkdir()
+    (folder / "w.txt").write_text("x")
+    with Tracker(cfg, tmp_path / "run") as tracker:
+        tracker.log_config({"lr": 0.1, "nested": {"a": 1}})
+        tracker.log({"train/loss": 2.0}, step=1)
+        tracker.log_artifact(folder, name="head", metadata={"tau": 1.0})
+        run_id = tracker.wandb_run.id
+    assert (tmp_path / "run" / "wandb_run_id").read_text().strip() == run_id
+    assert list((tmp_path / "wb" / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert read_metrics(tmp_path / "run") == [{"step": 1, "train/loss": 2.0}]

@@ -1,0 +1,227 @@
+"""Training checkpoints: written atomically, found again by `resume`, pruned to the last k.
+
+A checkpoint is the folder `<run_dir>/checkpoints/step_<N>/`:
+
+    head.safetensors     the head's trainable parameters (frozen shared target weights excluded)
+    optimizer.pt         optimizer state (+ the fp16 grad scaler's, if any)
+    scheduler.pt         learning-rate scheduler state
+    rng.pt               python / numpy / torch / cuda RNG states, one entry per process
+    trainer_state.json   step, epoch, data position, token counts (written last)
+
+The folder is filled under a temporary name in the same parent and renamed into place in one
+step, so a crash mid-write leaves only a dot-prefixed temporary folder, which `list_checkpoints`
+never returns (and the next successful save deletes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from heads.base import atomic_save_dir
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "trainer_state.json"
+HEAD_FILE = "head.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+RNG_FILE = "rng.pt"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass
+class TrainState:
+    """Where a run stands. `batch_in_epoch` counts the micro-batches each process has consumed
+    in `epoch` (the data position); token counts are summed over all processes."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    global_batch: int = 0  # batch_size * num_processes when written (to re-map the position)
+    tokens: int = 0
+    loss_tokens: int = 0
+
+
+@dataclass
+class Checkpoint:
+    """Everything read back from a checkpoint folder (tensors on CPU)."""
+
+    path: Path
+    state: TrainState
+    head: dict[str, Tensor]
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    scaler: dict[str, Any] | None
+    rng: list[dict[str, Any]]
+
+
+def checkpoint_root(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints under `run_dir`, oldest first, as (step, folder)."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and (child / STATE_FILE).is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def save_checkpoint(
+    run_dir: str | os.PathLike,
+    state: TrainState,
+    head: dict[str, Tensor],
+    optimizer: dict[str, Any],
+    scheduler: dict[str, Any],
+    rng: list[dict[str, Any]],
+    scaler: dict[str, Any] | None = None,
+    keep_last: int = 0,
+) -> Path:
+    """Write `step_<state.step>/` atomically, then keep only the newest `keep_last` (0: all).
+
+    Call on one process only (the main one); the others must wait for it.
+    """
+    # clone: safetensors refuses tensors that share storage, and we never want views here
+    head = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in head.items()}
+
+    def write(tmp: Path) -> None:
+        save_file(head, str(tmp / HEAD_FILE), metadata={"format": "pt"})
+        torch.save({"optimizer": optimizer, "scaler": scaler}, tmp / OPTIMIZER_FILE)
+        torch.save(scheduler, tmp / SCHEDULER_FILE)
+        torch.save(rng, tmp / RNG_FILE)
+        # the state file goes last: a folder without it is never treated as a checkpoint
+        (tmp / STATE_FILE).write_text(json.dumps(dataclasses.asdict(state), indent=2) + "\n")
+        for name in (HEAD_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE, STATE_FILE):
+            _fsync(tmp / name)
+
+    path = atomic_save_dir(checkpoint_root(run_dir) / f"step_{state.step}", write)
+    prune_checkpoints(run_dir, keep_last)
+    return path
+
+
+def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
+    """Delete all but the newest `keep_last` checkpoints (0 keeps all) and any temporary
+    folders left by interrupted saves. Returns the folders removed."""
+    removed = []
+    found = list_checkpoints(run_dir)
+    if keep_last > 0:
+        removed += [path for _, path in found[:-keep_last]]
+    root = checkpoint_root(run_dir)
+    removed += [p for p in root.iterdir() if p.name.startswith(".") and p.is_dir()]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Read a checkpoint folder written by `save_checkpoint`."""
+    path = Path(path)
+    if not (path / STATE_FILE).is_file():
+        raise FileNotFoundError(
+            f"{path} is not a complete checkpoint (no {STATE_FILE}); pass a "
+            f"<run_dir>/{CHECKPOINTS}/step_<N> folder, or resume=auto to pick the latest one."
+        )
+    state = TrainState(**json.loads((path / STATE_FILE).read_text()))
+    optim = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    return Checkpoint(
+        path=path,
+        state=state,
+        head=load_file(str(path / HEAD_FILE)),
+        optimizer=optim["optimizer"],
+        scheduler=torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True),
+        scaler=optim["scaler"],
+        rng=torch.load(path / RNG_FILE, map_location="cpu", weights_only=True),
+    )
+
+
+def load_head_state(params: dict[str, nn.Parameter], tensors: dict[str, Tensor], path) -> None:
+    """Copy checkpointed weights into a head's trainable parameters; names must match exactly."""
+    missing, unexpected = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not fit this head (missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]}): resume with the same head config, or set resume=never."
+        )
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(tensors[name])
+
+
+def remap_position(state: TrainState, global_batch: int) -> TrainState:
+    """Keep the data position (in examples) when the global batch changed since the save."""
+    if state.global_batch in (0, global_batch):
+        state.global_batch = global_batch
+        return state
+    examples = state.batch_in_epoch * state.global_batch
+    log.warning(
+        "global batch changed from %d to %d since the checkpoint; resuming at example %d of "
+        "epoch %d",
+        state.global_batch,
+        global_batch,
+        examples,
+        state.epoch,
+    )
+    state.batch_in_epoch = math.ceil(examples / global_batch)
+    state.global_batch = global_batch
+    return state
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This process's RNG states (python, numpy, torch CPU, and CUDA when initialised)."""
+    name, key, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {
+            "name": name,
+            "key": torch.from_numpy(key.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of `capture_rng_state`."""
+    random.setstate(state["python"])
+    n = state["numpy"]
+    key = n["key"].numpy().astype(np.uint32)
+    np.random.set_state((n["name"], key, n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())

@@ -1,0 +1,109 @@
+"""The training loop's settings: one validated dataclass, built by Hydra in the entry point."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
+
+
+@dataclass
+class TrainerConfig:
+    """How to optimise a draft head.
+
+    Steps are optimizer steps; one step consumes `grad_accum` micro-batches of `batch_size`
+    examples on every process, so the global batch is batch_size * grad_accum * num_processes.
+    `max_steps > 0` fixes the run length; otherwise it is `num_epochs` passes over the data.
+    Periodic events (`log_every`, `eval_every`, `save_every`) count optimizer steps; 0 turns
+    them off (validation still runs once at the end).
+    """
+
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: Sequence[float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0  # fraction of the total steps; use this or warmup_steps
+    min_lr_ratio: float = 0.0  # the cosine decays to lr * min_lr_ratio
+    max_steps: int = 0
+    num_epochs: float = 1.0
+    batch_size: int = 8  # per process
+    eval_batch_size: int | None = None  # per process; None = batch_size
+    grad_accum: int = 1
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    mixed_precision: str = "auto"  # no | bf16 | fp16 | auto (bf16 where CUDA supports it)
+    eval_every: int = 0
+    save_every: int = 0
+    keep_last: int = 2  # checkpoints kept; 0 keeps all
+    resume: str = "auto"  # auto | never | path to a checkpoint folder
+    seed: int = 0
+    shuffle: bool = True
+    log_every: int = 10
+    num_workers: int = 0
+    progress: bool = True
+    cpu: bool = False  # force CPU even where an accelerator exists
+    find_unused_parameters: bool = False  # DDP: set when a head leaves parameters unused
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(float(b) for b in self.betas)
+        _check(self.lr > 0, f"lr={self.lr}: set a positive learning rate (e.g. lr=1e-4).")
+        _check(self.weight_decay >= 0, f"weight_decay={self.weight_decay}: use 0 or more.")
+        _check(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            f"betas={self.betas}: give two numbers in [0, 1), e.g. [0.9, 0.95].",
+        )
+        _check(self.warmup_steps >= 0, f"warmup_steps={self.warmup_steps}: use 0 or more.")
+        _check(
+            0 <= self.warmup_ratio < 1, f"warmup_ratio={self.warmup_ratio}: use a value in [0, 1)."
+        )
+        _check(
+            not (self.warmup_steps and self.warmup_ratio),
+            "set warmup_steps or warmup_ratio, not both (set the other to 0).",
+        )
+        _check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio}: use [0, 1].")
+        _check(self.max_steps >= 0, f"max_steps={self.max_steps}: use 0 (epochs) or more.")
+        _check(
+            self.max_steps > 0 or self.num_epochs > 0,
+            "max_steps=0 and num_epochs<=0: set max_steps>0 or num_epochs>0 (how long to train).",
+        )
+        for name in ("batch_size", "grad_accum"):
+            _check(getattr(self, name) >= 1, f"{name}={getattr(self, name)}: use 1 or more.")
+        _check(
+            self.eval_batch_size is None or self.eval_batch_size >= 1,
+            f"eval_batch_size={self.eval_batch_size}: use 1 or more, or null for batch_size.",
+        )
+        _check(self.max_grad_norm >= 0, f"max_grad_norm={self.max_grad_norm}: 0 disables it.")
+        _check(
+            self.mixed_precision in MIXED_PRECISION,
+            f"mixed_precision={self.mixed_precision!r}: use one of {', '.join(MIXED_PRECISION)}.",
+        )
+        for name in ("eval_every", "save_every", "keep_last", "log_every", "num_workers"):
+            _check(getattr(self, name) >= 0, f"{name}={getattr(self, name)}: use 0 or more.")
+        _check(
+            self.resume in ("auto", "never") or Path(self.resume).is_dir(),
+            f"resume={self.resume!r}: use 'auto', 'never', or an existing checkpoint folder.",
+        )
+
+    def warmup_for(self, total_steps: int) -> int:
+        """Warmup length in optimizer steps for a run of `total_steps`."""
+        if self.warmup_ratio:
+            return int(self.warmup_ratio * total_steps)
+        return self.warmup_steps
+
+
+def resolve_mixed_precision(mode: str) -> str:
+    """'auto' becomes 'bf16' where CUDA supports it, else 'no'; other modes pass through."""
+    if mode != "auto":
+        return mode
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "no"
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"TrainerConfig: {message}")

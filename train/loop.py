@@ -1,0 +1,430 @@
+"""The one training loop for every draft head, on Hugging Face Accelerate.
+
+The loop knows a head only through its protocol (heads/base.py: `feature_layers()`,
+`loss(batch, features) -> LossOutput`, `save_pretrained(path)`); it never asks which method
+it is training. Features come from the batch when the data carries cached target states
+("offline"), otherwise from the frozen target under no_grad ("online").
+
+One step = `grad_accum` micro-batches per process, then one AdamW update. A run continues
+exactly from its latest checkpoint (weights, optimizer, scheduler, RNG and data position), so a
+killed and resumed run ends with the same weights as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator, DistributedDataParallelKwargs
+from accelerate.utils import broadcast_object_list, gather_object, set_seed
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+from tqdm.auto import tqdm
+
+from heads.base import atomic_save_dir
+from train.checkpoint import (
+    TrainState,
+    capture_rng_state,
+    checkpoint_root,
+    latest_checkpoint,
+    load_checkpoint,
+    load_head_state,
+    remap_position,
+    restore_rng_state,
+    save_checkpoint,
+)
+from train.config import TrainerConfig, resolve_mixed_precision
+from train.features import batch_features
+from train.optim import build_optimizer, build_scheduler, trainable_parameters
+from train.sampling import count_steps, epoch_batches, make_loader
+from train.tracking import Tracker
+from train.validation import add_stats, evaluate_head, reduce_stats
+
+log = logging.getLogger(__name__)
+
+HEAD_DIR = "head"
+Callback = Callable[[TrainState], bool | None]  # return True to stop after this step
+
+
+@dataclass
+class TrainResult:
+    """What a finished (or stopped) run produced.
+
+    `epoch` is the (0-based) epoch the data position is in; `val_totals` maps a stat to
+    [sum, count] over the whole validation set and all processes, `val_metrics` holds
+    "val/<stat>" = sum / count; `head_dir` is None when a callback stopped the run early.
+    """
+
+    step: int
+    epoch: int
+    train_loss: float | None
+    val_metrics: dict[str, float] = field(default_factory=dict)
+    val_totals: dict[str, list[float]] = field(default_factory=dict)
+    tokens: int = 0
+    loss_tokens: int = 0
+    head_dir: Path | None = None
+    checkpoint: Path | None = None
+    stopped_early: bool = False
+    elapsed_s: float = 0.0
+
+
+class _HeadLoss(nn.Module):
+    """Routes `head.loss` through `forward`, so DDP's gradient hooks and Accelerate's autocast
+    wrapper (both attached to `forward`) apply to it."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, batch: dict, features: dict) -> tuple[Tensor, dict[str, Tensor]]:
+        out = self.head.loss(batch, features)
+        return out.loss, out.stats
+
+
+@dataclass
+class _Window:
+    """What happened since the last train log, on this process (tokens: all processes)."""
+
+    loss_sum: float = 0.0
+    micro_batches: int = 0
+    stats: dict[str, Tensor] = field(default_factory=dict)
+    tokens: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    lr: float = 0.0
+    grad_norm: float | None = None
+
+
+class Trainer:
+    """Trains `head` on `train_dataset` (items collated by `collate_fn`), see module docs.
+
+    `callbacks` run after every step with the TrainState; one returning True stops the run
+    (after writing a checkpoint of that step), which is how tests simulate an interruption.
+    They must decide the same on every process.
+    """
+
+    def __init__(
+        self,
+        head: nn.Module,
+        cfg: TrainerConfig,
+        run_dir: str | os.PathLike,
+        *,
+        train_dataset: Dataset,
+        collate_fn: Callable[[list], dict],
+        target: Any = None,
+        val_dataset: Dataset | None = None,
+        tracker: Tracker | None = None,
+        callbacks: Sequence[Callback] = (),
+    ) -> None:
+        self.cfg, self.run_dir, self.callbacks = cfg, Path(run_dir), list(callbacks)
+        self.acc = acc = _make_accelerator(cfg)
+        set_seed(cfg.seed, device_specific=True)  # seed + process index
+        self.head, self.target, self.layers = head, target, head.feature_layers()
+        self.train_dataset = train_dataset
+        self.val_dataset = val_dataset
+        self.collate_fn = collate_fn
+        if target is not None:
+            _place_target(target, acc.device)
+        self.global_batch = cfg.batch_size * acc.num_processes
+        self.batches_per_epoch, self.total_steps = count_steps(
+            cfg, len(train_dataset), acc.num_processes
+        )
+        optimizer = build_optimizer(head, cfg)
+        warmup = cfg.warmup_for(self.total_steps)
+        self.scheduler = build_scheduler(optimizer, warmup, self.total_steps, cfg.min_lr_ratio)
+        self.model, self.optimizer = acc.prepare(_HeadLoss(head), optimizer)
+        self.state = TrainState(global_batch=self.global_batch)
+        self._own_tracker = tracker is None
+        self.tracker = tracker or Tracker(None, self.run_dir, is_main=acc.is_main_process)
+        self._last_loss: float | None = None
+
+    # ---- the run -----------------------------------------------------------------------
+
+    def fit(self) -> TrainResult:
+        """Train to `total_steps` (resuming if configured), validate, save the final head."""
+        started = time.perf_counter()
+        resumed = self.resume()
+        cfg, acc, state = self.cfg, self.acc, self.state
+        stream = self._micro_batches()
+        bar = tqdm(
+            total=self.total_steps,
+            initial=state.step,
+            desc="train",
+            dynamic_ncols=True,
+            disable=not (cfg.progress and acc.is_main_process),
+        )
+        window, evaluated_at, stopped = _Window(), -1, False
+        checkpoint = resumed
+        val: tuple[dict, dict] = ({}, {})
+        while state.step < self.total_steps and not stopped:
+            self._train_step(stream, window)
+            state.step += 1
+            bar.update(1)
+            if cfg.log_every and state.step % cfg.log_every == 0:
+                window = self._log_train(window, bar)
+            if cfg.eval_every and state.step % cfg.eval_every == 0:
+                val, evaluated_at = self.evaluate(log=True), state.step
+            stopped = self._should_stop()
+            if (cfg.save_every and state.step % cfg.save_every == 0) or stopped:
+                checkpoint = self.save_checkpoint()
+        if window.micro_batches:
+            self._log_train(window, bar)
+        bar.close()
+        head_dir = None
+        if not stopped:
+            if evaluated_at != state.step:
+                val = self.evaluate(log=True)
+            if cfg.save_every and (checkpoint is None or checkpoint.name != f"step_{state.step}"):
+                checkpoint = self.save_checkpoint()
+            head_dir = self.save_head()
+        if self._own_tracker:
+            self.tracker.finish()
+        return TrainResult(
+            step=state.step,
+            epoch=state.epoch,
+            train_loss=self._last_loss,
+            val_metrics=val[0],
+            val_totals=val[1],
+            tokens=state.tokens,
+            loss_tokens=state.loss_tokens,
+            head_dir=head_dir,
+            checkpoint=checkpoint,
+            stopped_early=stopped,
+            elapsed_s=time.perf_counter() - started,
+        )
+
+    def _train_step(self, stream: Iterator[dict], window: _Window) -> None:
+        """One optimizer update from `grad_accum` micro-batches."""
+        acc = self.acc
+        self.model.train()
+        tokens = torch.zeros(2, dtype=torch.float64, device=acc.device)
+        for _ in range(self.cfg.grad_accum):
+            batch = next(stream)
+            with acc.accumulate(self.model):
+                with acc.autocast():
+                    features = batch_features(batch, self.target, self.layers)
+                loss, stats = self.model(batch, features)
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    window.lr = self.optimizer.param_groups[0]["lr"]
+                    window.grad_norm = self._clip_gradients()
+                    self.optimizer.step()
+                    if not self.optimizer.step_was_skipped:
+                        self.scheduler.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+            window.loss_sum += loss.detach().float().item()
+            window.micro_batches += 1
+            add_stats(window.stats, stats)
+            tokens[0] += batch["attention_mask"].sum()
+            tokens[1] += batch.get("loss_mask", batch["attention_mask"]).sum()
+        if not acc.sync_gradients:
+            raise RuntimeError("gradient accumulation fell out of step with the loop (a bug)")
+        tokens = acc.reduce(tokens, "sum")
+        self.state.tokens += int(tokens[0])
+        self.state.loss_tokens += int(tokens[1])
+        window.tokens += int(tokens[0])
+
+    def _clip_gradients(self) -> float | None:
+        if not self.cfg.max_grad_norm:
+            return None
+        params = [p for _, p in trainable_parameters(self.head)]
+        norm = self.acc.clip_grad_norm_(params, self.cfg.max_grad_norm)
+        return None if norm is None else float(norm)
+
+    def _micro_batches(self) -> Iterator[dict]:
+        """This process's micro-batches, epoch after epoch, from the current data position."""
+        cfg, acc, state = self.cfg, self.acc, self.state
+        while True:
+            batches = epoch_batches(
+                len(self.train_dataset),
+                cfg.batch_size,
+                state.epoch,
+                cfg.seed,
+                acc.process_index,
+                acc.num_processes,
+                cfg.shuffle,
+            )
+            loader = make_loader(
+                self.train_dataset,
+                batches[state.batch_in_epoch :],
+                self.collate_fn,
+                cfg.num_workers,
+                seed=cfg.seed + state.epoch,
+            )
+            for batch in loader:
+                state.batch_in_epoch += 1
+                yield self._to_device(batch)
+            state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+
+    def _should_stop(self) -> bool:
+        if not self.callbacks:
+            return False
+        votes = [bool(callback(self.state)) for callback in self.callbacks]
+        flag = torch.tensor(float(any(votes)), device=self.acc.device)
+        return bool(self.acc.reduce(flag, "sum") > 0)
+
+    # ---- validation and logging ---------------------------------------------------------
+
+    def evaluate(self, log: bool = False) -> tuple[dict[str, float], dict[str, list[float]]]:
+        """Validate on the whole validation set (see `evaluate_head`); log the means if `log`.
+
+        Uses the unwrapped head: a DDP forward would broadcast buffers, a collective that
+        deadlocks when processes hold different numbers of validation batches.
+        """
+        if self.val_dataset is None:
+            return {}, {}
+        metrics, totals = evaluate_head(
+            self.acc,
+            self.head,
+            self.val_dataset,
+            self.collate_fn,
+            target=self.target,
+            layers=self.layers,
+            batch_size=self.cfg.eval_batch_size or self.cfg.batch_size,
+            num_workers=self.cfg.num_workers,
+            seed=self.cfg.seed,
+        )
+        if log:
+            self.tracker.log(metrics, self.state.step)
+        return metrics, totals
+
+    def _log_train(self, window: _Window, bar: tqdm) -> _Window:
+        """Reduce the window over processes, log it, and start a new one."""
+        acc, state = self.acc, self.state
+        loss = torch.tensor(window.loss_sum / window.micro_batches, device=acc.device)
+        loss = float(acc.reduce(loss, "mean"))
+        elapsed = max(time.perf_counter() - window.started, 1e-9)
+        metrics = {
+            "train/loss": loss,
+            "train/lr": window.lr,
+            "train/tokens_per_s": window.tokens / elapsed,
+            "train/tokens": state.tokens,
+            "train/loss_tokens": state.loss_tokens,
+            "train/epoch": state.epoch + state.batch_in_epoch / self.batches_per_epoch,
+        }
+        if window.grad_norm is not None:
+            metrics["train/grad_norm"] = window.grad_norm
+        for key, (total, count) in reduce_stats(acc, window.stats).items():
+            if key != "loss" and count > 0:  # the stats' "loss" would shadow the objective
+                metrics[f"train/{key}"] = total / count
+        self.tracker.log(metrics, state.step)
+        bar.set_postfix(
+            loss=f"{loss:.4f}", lr=f"{window.lr:.2e}", tok_s=f"{metrics['train/tokens_per_s']:.0f}"
+        )
+        self._last_loss = loss
+        return _Window()
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    def save_checkpoint(self) -> Path:
+        """Write `checkpoints/step_<N>` from the main process; every process must call this."""
+        acc = self.acc
+        full = acc.get_state_dict(self.model)  # collective under ZeRO-3 / FSDP
+        names = [n for n, _ in trainable_parameters(self.head)]
+        head_state = {n: full[f"head.{n}"] for n in names}
+        rng = gather_object([capture_rng_state()])  # one entry per process, rank order
+        if acc.is_main_process:
+            save_checkpoint(
+                self.run_dir,
+                self.state,
+                head=head_state,
+                optimizer=self.optimizer.state_dict(),
+                scheduler=self.scheduler.state_dict(),
+                rng=rng,
+                scaler=acc.scaler.state_dict() if acc.scaler is not None else None,
+                keep_last=self.cfg.keep_last,
+            )
+        acc.wait_for_everyone()
+        return checkpoint_root(self.run_dir) / f"step_{self.state.step}"
+
+    def resume(self) -> Path | None:
+        """Load the checkpoint `cfg.resume` names ("auto": the latest in run_dir, if any)."""
+        resume = self.cfg.resume
+        if resume == "never":
+            return None
+        found = latest_checkpoint(self.run_dir) if resume == "auto" else Path(resume)
+        # every process follows the main process's choice (it may have a newer listing)
+        found = broadcast_object_list([str(found) if found else None])[0]
+        if found is None:
+            return None
+        ckpt = load_checkpoint(found)
+        load_head_state(dict(trainable_parameters(self.head)), ckpt.head, ckpt.path)
+        self.optimizer.load_state_dict(ckpt.optimizer)
+        self.scheduler.load_state_dict(ckpt.scheduler)
+        if ckpt.scaler is not None and self.acc.scaler is not None:
+            self.acc.scaler.load_state_dict(ckpt.scaler)
+        self.state = remap_position(ckpt.state, self.global_batch)
+        rank = self.acc.process_index
+        if rank >= len(ckpt.rng):
+            log.warning("checkpoint has RNG states for %d processes only", len(ckpt.rng))
+        restore_rng_state(ckpt.rng[rank % len(ckpt.rng)])
+        self.tracker.rewind(self.state.step)
+        if self.acc.is_main_process:
+            log.info("resumed from %s at step %d", ckpt.path, self.state.step)
+        return ckpt.path
+
+    def save_head(self) -> Path:
+        """`head.save_pretrained(<run_dir>/head)` on the main process, atomically."""
+        path = self.run_dir / HEAD_DIR
+        if self.acc.is_main_process:
+            atomic_save_dir(path, self.head.save_pretrained)
+        self.acc.wait_for_everyone()
+        return path
+
+    def _to_device(self, batch: dict) -> dict:
+        device = self.acc.device
+        return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
+
+
+def train(
+    head: nn.Module,
+    target: Any,
+    train_dataset: Dataset,
+    val_dataset: Dataset | None,
+    collate_fn: Callable[[list], dict],
+    cfg: TrainerConfig,
+    run_dir: str | os.PathLike,
+    tracker: Tracker | None = None,
+    callbacks: Sequence[Callback] = (),
+) -> TrainResult:
+    """Build a Trainer and run it (see Trainer)."""
+    trainer = Trainer(
+        head,
+        cfg,
+        run_dir,
+        train_dataset=train_dataset,
+        collate_fn=collate_fn,
+        target=target,
+        val_dataset=val_dataset,
+        tracker=tracker,
+        callbacks=callbacks,
+    )
+    return trainer.fit()
+
+
+def _make_accelerator(cfg: TrainerConfig) -> Accelerator:
+    # `accelerate launch --multi_gpu` on a machine without accelerators starts N processes
+    # that would each train alone; forcing CPU makes Accelerate join them over gloo.
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    cpu = cfg.cpu or (launched and not torch.accelerator.is_available())
+    ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.find_unused_parameters)
+    return Accelerator(
+        mixed_precision=resolve_mixed_precision(cfg.mixed_precision),
+        gradient_accumulation_steps=cfg.grad_accum,
+        cpu=cpu,
+        kwargs_handlers=[ddp],
+    )
+
+
+def _place_target(target: Any, device: torch.device) -> None:
+    """Move the frozen target next to the head, unless it is already spread over devices."""
+    model = target.model
+    if getattr(model, "hf_device_map", None):
+        return
+    if next(model.parameters()).device != device:
+        model.to(device)

@@ -1,0 +1,69 @@
+"""Validation and the [sum, count] statistics heads report, summed over batches and processes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+
+from train.features import batch_features
+from train.sampling import eval_batches, make_loader
+
+
+def add_stats(sums: dict[str, Tensor], stats: Mapping[str, Tensor]) -> None:
+    """Accumulate a head's stats ({name: tensor([sum, count])}) into `sums`, in float64."""
+    for key, value in stats.items():
+        value = value.detach().to(torch.float64)
+        sums[key] = sums[key] + value if key in sums else value
+
+
+def reduce_stats(acc: Accelerator, sums: dict[str, Tensor]) -> dict[str, list[float]]:
+    """Sum [sum, count] stats over processes; a key missing on a process counts as zero there."""
+    keys = sorted(sums)
+    if acc.num_processes > 1:
+        keys = sorted({k for ks in gather_object([keys]) for k in ks})
+    if not keys:
+        return {}
+    zero = torch.zeros(2, dtype=torch.float64, device=acc.device)
+    stacked = torch.stack([sums[k].to(acc.device) if k in sums else zero for k in keys])
+    stacked = acc.reduce(stacked, "sum").cpu()
+    return {k: [float(s), float(c)] for k, (s, c) in zip(keys, stacked.tolist(), strict=True)}
+
+
+@torch.no_grad()
+def evaluate_head(
+    acc: Accelerator,
+    head: nn.Module,
+    dataset: Dataset,
+    collate_fn: Callable[[list], dict],
+    *,
+    target: Any,
+    layers: Sequence[int] | None,
+    batch_size: int,
+    num_workers: int = 0,
+    seed: int = 0,
+) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Run `head.loss` over the whole of `dataset`, each process on its own share.
+
+    Returns ({"val/<stat>": sum / count}, {"<stat>": [sum, count]}), the sums taken over every
+    batch and every process, so each example counts once whatever the number of processes.
+    """
+    batches = eval_batches(len(dataset), batch_size, acc.process_index, acc.num_processes)
+    loader = make_loader(dataset, batches, collate_fn, num_workers, seed)
+    was_training = head.training
+    head.eval()
+    sums: dict[str, Tensor] = {}
+    for batch in loader:
+        batch = {k: v.to(acc.device) if isinstance(v, Tensor) else v for k, v in batch.items()}
+        with acc.autocast():
+            out = head.loss(batch, batch_features(batch, target, layers))
+        add_stats(sums, out.stats)
+    head.train(was_training)
+    totals = reduce_stats(acc, sums)
+    metrics = {f"val/{k}": s / c for k, (s, c) in totals.items() if c > 0}
+    return metrics, totals
