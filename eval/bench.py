@@ -1,0 +1,302 @@
+"""The benchmark harness: every decoding method on the same prompts, in one run, timed alike.
+
+A request is one user turn of one question, rendered with the target's chat template. Multi-turn
+questions (MT-bench) continue the conversation with the *canonical* answer to the earlier turns,
+HF `generate`'s greedy answer, so every method sees token-identical prompts. Each method runs
+every request with the same `max_new_tokens` and torch threads; the methods take turns in a
+rotating order so that no method is always the first (or last) one to touch the caches.
+
+Methods (eval/methods.py): `plain` (the in-run baseline, same cache code), `hf_generate` and
+`hf_prompt_lookup` (Hugging Face `generate`, greedy, without / with prompt lookup) and `head` (the
+draft head under test in `SpeculativeGenerator`). Every output is compared with `hf_generate`'s
+token for token.
+
+Outputs in the run dir: results.jsonl (one row per question x turn x method), summary.json and
+report.md with PNG plots (eval/report.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from eval.methods import (
+    HFGenerateMethod,
+    Method,
+    Record,
+    build_methods,
+    eos_token_ids,
+)
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = "hf_generate"  # the greedy reference every output is compared with
+
+
+@dataclass
+class BenchConfig:
+    """Which prompts to run. `path`: a prompt JSONL (MT-bench / Spec-Bench / data.read_prompts).
+
+    limit: keep the first N questions (after the category filter); null: all.
+    categories: keep only questions of these categories; null: all.
+    warmup: run the first N questions' first turn through every method, untimed, before timing.
+    """
+
+    name: str = "jsonl"
+    path: str = "???"
+    limit: int | None = None
+    categories: list[str] | None = None
+    max_new_tokens: int = 128
+    warmup: int = 1
+
+    def __post_init__(self) -> None:
+        if self.path in ("", "???"):
+            raise ValueError(
+                "bench.path is required: a prompt JSONL file (bench=jsonl bench.path=...)."
+            )
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"bench.limit={self.limit}: use a positive count, or null for all.")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"bench.max_new_tokens={self.max_new_tokens}: need at least 1.")
+        if self.warmup < 0:
+            raise ValueError(f"bench.warmup={self.warmup}: use 0 or more prompts.")
+
+
+def resolve_path(path: str | Path) -> Path:
+    """A path as given if it exists, else relative to the repository root."""
+    given = Path(path).expanduser()
+    if given.exists() or given.is_absolute():
+        return given
+    return ROOT / given if (ROOT / given).exists() else given
+
+
+def load_bench_prompts(cfg: BenchConfig) -> list[dict]:
+    """The questions of a prompt file, filtered by category, first `limit` kept."""
+    from data import read_prompts
+
+    path = resolve_path(cfg.path)
+    if not path.is_file():
+        raise FileNotFoundError(f"bench.path={cfg.path}: no such prompt file.")
+    prompts = read_prompts(str(path))
+    if cfg.categories:
+        prompts = [p for p in prompts if p["category"] in set(cfg.categories)]
+        if not prompts:
+            raise ValueError(f"{path}: no question of categories {cfg.categories}.")
+    return prompts[: cfg.limit] if cfg.limit else prompts
+
+
+def encode_chat(tokenizer, messages: list[dict], chat_template: str | None = None) -> Tensor:
+    """messages -> input ids [1, T] of the chat template with the assistant prompt appended."""
+    from data import resolve_chat_template
+
+    template = resolve_chat_template(tokenizer, chat_template)
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, chat_template=template
+    )
+    return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+
+
+@torch.inference_mode()
+def top2_gaps(model, input_ids: Tensor, new_tokens: list[int]) -> list[float]:
+    """Target top-1 minus top-2 logit at every new-token position of prompt + new_tokens."""
+    if not new_tokens:
+        return []
+    device = next(model.parameters()).device
+    seq = torch.cat([input_ids[0].cpu(), torch.tensor(new_tokens, dtype=torch.long)])[None]
+    logits = model(input_ids=seq.to(device), use_cache=False).logits[0].float()
+    start = input_ids.shape[1] - 1  # logits at t predict token t + 1
+    top2 = logits[start : start + len(new_tokens)].topk(2, dim=-1).values
+    return (top2[:, 0] - top2[:, 1]).tolist()
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (or the shorter length), None when equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@dataclass
+class BenchRun:
+    """What run_benchmark needs besides the target and the methods.
+
+    chat_template: a template for tokenizers without one (see data.resolve_chat_template).
+    near_tie_gap: a greedy mismatch whose first differing token has a target top-1/top-2 logit
+    gap below this is reported as a near tie. meta: extra facts recorded in summary.json.
+    """
+
+    bench: BenchConfig
+    chat_template: str | None = None
+    near_tie_gap: float = 1e-4
+    meta: dict = field(default_factory=dict)
+
+
+def _match_info(rec: Record, ref: Record, gaps: Callable[[], list[float]], tie: float) -> dict:
+    index = first_difference(rec.tokens, ref.tokens)
+    if index is None:
+        return {"greedy_match": True, "first_mismatch": None, "top2_gap": None, "near_tie": False}
+    all_gaps = gaps()
+    gap = all_gaps[index] if index < len(all_gaps) else None
+    near = gap is not None and gap < tie
+    return {"greedy_match": False, "first_mismatch": index, "top2_gap": gap, "near_tie": near}
+
+
+def _warmup(methods: Sequence[Method], prompts: list[dict], setup: BenchRun, tokenizer) -> None:
+    """Untimed runs first: first-call allocations and kernel choices stay out of the timings."""
+    for question in prompts[: setup.bench.warmup]:
+        messages = [{"role": "user", "content": question["turns"][0]}]
+        ids = encode_chat(tokenizer, messages, setup.chat_template)
+        for method in methods:
+            method.run(ids, setup.bench.max_new_tokens)
+
+
+def _question_rows(target, methods, reference, question: dict, setup: BenchRun, start: int):
+    """Rows for every turn x method of one question; later turns continue with HF's answers."""
+    tok, max_new = target.tokenizer, setup.bench.max_new_tokens
+    rows, history = [], []
+    for turn, text in enumerate(question["turns"], start=1):
+        history.append({"role": "user", "content": text})
+        ids = encode_chat(tok, history, setup.chat_template)
+        k = (start + turn - 1) % len(methods)  # rotate who goes first
+        records = {m.name: m.run(ids, max_new) for m in [*methods[k:], *methods[:k]]}
+        ref = records[REFERENCE] if REFERENCE in records else reference.run(ids, max_new)
+        memo: list[list[float]] = []
+
+        def gaps(ids=ids, ref=ref, memo=memo) -> list[float]:
+            if not memo:  # one extra target forward, only when some method mismatched
+                memo.append(top2_gaps(target.model, ids, ref.tokens))
+            return memo[0]
+
+        for method in methods:
+            rec = records[method.name]
+            row = {"question_id": question["id"], "category": question["category"], "turn": turn}
+            row |= {"method": method.name, "prompt_tokens": ids.shape[1]}
+            row |= {"new_tokens": len(rec.tokens), **asdict(rec)}
+            rows.append(row | _match_info(rec, ref, gaps, setup.near_tie_gap))
+        answer = tok.decode(ref.tokens, skip_special_tokens=True)
+        history.append({"role": "assistant", "content": answer})
+    return rows
+
+
+def run_benchmark(
+    target, methods: Sequence[Method], bench: BenchConfig | BenchRun, out_dir: str | Path
+) -> dict:
+    """Run every method on every request of the bench; write results.jsonl, summary.json and
+    report.md (+ PNGs) into out_dir. Returns the summary."""
+    from eval import report
+
+    setup = bench if isinstance(bench, BenchRun) else BenchRun(bench)
+    methods = list(methods)
+    if not methods:
+        raise ValueError("no methods to benchmark.")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = load_bench_prompts(setup.bench)
+    eos, pad = eos_token_ids(target), getattr(target.tokenizer, "pad_token_id", None)
+    reference = HFGenerateMethod(REFERENCE, target.model, eos, pad)
+    _warmup(methods, prompts, setup, target.tokenizer)
+    rows: list[dict] = []
+    for i, question in enumerate(prompts):
+        done = len(rows) // len(methods)  # requests so far: rotates the running order
+        rows += _question_rows(target, methods, reference, question, setup, done)
+        log.info("question %s done (%d/%d)", question["id"], i + 1, len(prompts))
+    with open(out / "results.jsonl", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    meta = {
+        "bench": asdict(setup.bench),
+        "methods": [m.name for m in methods],
+        "num_questions": len(prompts),
+        "num_requests": len(rows) // len(methods),
+        "threads": torch.get_num_threads(),
+        "near_tie_gap": setup.near_tie_gap,
+        "target": target.name_or_path,
+        "device": str(target.model.device),
+        "versions": _versions(),
+        **setup.meta,
+    }
+    summary = report.summarize(rows, {m.name: m.max_draft_depth for m in methods}, meta)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    report.write_report(summary, out)
+    return summary
+
+
+def _versions() -> dict:
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
+# ---- the Hydra edge (evaluate.py) ------------------------------------------------------------
+
+
+def run(cfg) -> dict:
+    """evaluate.py's body: build everything from the composed config, then run_benchmark."""
+    from hydra.utils import instantiate
+
+    import heads
+    from heads.target import load_target
+
+    torch.manual_seed(cfg.seed)
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
+    bench = instantiate(cfg.bench, _convert_="all")
+    verifier = instantiate(cfg.verifier, _convert_="all")
+    target = load_target(instantiate(cfg.model, _convert_="all"))
+    target.model.to(_device(cfg.get("device", "auto")))
+    names = list(cfg.methods)
+    head, meta = None, {"tree": _choice("tree"), "verifier": _choice("verifier")}
+    if cfg.head_path:
+        head = heads.from_pretrained(resolve_path(cfg.head_path), target).to(target.device).eval()
+        meta |= {"head_path": str(cfg.head_path), "head_method": head.method}
+    elif "head" in names:
+        log.warning("head_path is null: running the baselines only (%s)", names)
+        names = [n for n in names if n != "head"]
+    tree_paths = [list(p) for p in cfg.tree.paths]
+    meta |= {"tree_nodes": len(tree_paths) + 1, "tree_depth": max(map(len, tree_paths), default=0)}
+    methods = build_methods(
+        target,
+        names,
+        head,
+        tree_paths,
+        verifier,
+        cfg.prompt_lookup_num_tokens,
+        cfg.get("max_context"),
+    )
+    setup = BenchRun(bench, cfg.model.get("chat_template"), cfg.near_tie_gap, meta)
+    out_dir = cfg.get("out_dir") or _hydra_output_dir()
+    summary = run_benchmark(target, methods, setup, out_dir)
+    log.info("wrote %s/report.md", out_dir)
+    return summary
+
+
+def _device(name: str) -> torch.device:
+    """`auto`: the accelerator torch sees (CUDA, ...), else the CPU; or a torch device name."""
+    if name == "auto":
+        accel = (
+            torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        )
+        return accel or torch.device("cpu")
+    return torch.device(name)
+
+
+def _choice(group: str) -> str | None:
+    """The config group option Hydra picked (e.g. tree=tree16), when running under Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get().runtime.choices.get(group) if HydraConfig.initialized() else None
+
+
+def _hydra_output_dir() -> str:
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        raise ValueError("set out_dir=... (no Hydra run dir outside evaluate.py).")
+    return HydraConfig.get().runtime.output_dir

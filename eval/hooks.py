@@ -1,0 +1,93 @@
+"""Checkpoint-time evaluation: the acceptance length tau of a head while it trains.
+
+The training loop (train/) never imports eval/; the entry point builds a `TauEvaluator` (Hydra
+`_target_: eval.hooks.TauEvaluator`) and injects it. Calling it with the head and the target runs
+greedy speculative decoding on a few prompts (first turns, chat template applied) and returns
+{"tau", "tau_per_request"} with the benchmark's definitions (eval/report.py): tokens emitted by
+the decode forwards over the decode forwards, the prefill excluded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from eval.bench import encode_chat, resolve_path
+from eval.generator import SpeculativeGenerator
+from eval.methods import eos_token_ids, make_proposer
+from eval.tree import chain_paths, load_tree_paths
+from eval.verify import GreedyVerifier
+
+
+class TauEvaluator:
+    """`evaluator(head, target) -> {"tau": float, "tau_per_request": float}`.
+
+    prompts_path: a prompt JSONL (data.read_prompts); the first `limit` questions' first turns.
+    tree: a conf/tree/*.yaml file, a list of paths (e.g. [[0], [0, 0]]), or an int d for a chain
+          of d top-1 tokens (e.g. `tree: ${head.num_heads}` in a Hydra config). It must be no
+          deeper than the head drafts (a Medusa head with K heads drafts K tokens).
+    chat_template: for tokenizers without one (see data.resolve_chat_template).
+    The head is put in eval mode for the call and back in its previous mode afterwards.
+    """
+
+    def __init__(
+        self,
+        prompts_path: str | Path,
+        limit: int = 4,
+        max_new_tokens: int = 32,
+        tree: int | str | Path | list = "conf/tree/chain.yaml",
+        chat_template: str | None = None,
+    ):
+        from data import read_prompts
+
+        if limit < 1 or max_new_tokens < 1:
+            raise ValueError(f"limit={limit}, max_new_tokens={max_new_tokens}: need >= 1 each.")
+        path = resolve_path(prompts_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"TauEvaluator: no prompt file at {prompts_path}.")
+        self.turns = [q["turns"][0] for q in read_prompts(str(path))[:limit]]
+        self.max_new_tokens, self.chat_template = max_new_tokens, chat_template
+        if isinstance(tree, int):
+            self.tree_paths = chain_paths(tree)
+        elif isinstance(tree, (str, Path)):
+            self.tree_paths = load_tree_paths(resolve_path(tree))
+        else:
+            self.tree_paths = [list(p) for p in tree]
+        self._encoded: tuple[object, list[Tensor]] | None = None  # (tokenizer, prompts)
+
+    def _prompts(self, tokenizer) -> list[Tensor]:
+        if self._encoded is None or self._encoded[0] is not tokenizer:
+            ids = [
+                encode_chat(tokenizer, [{"role": "user", "content": t}], self.chat_template)
+                for t in self.turns
+            ]
+            self._encoded = (tokenizer, ids)
+        return self._encoded[1]
+
+    @torch.no_grad()
+    def __call__(self, head, target) -> dict[str, float]:
+        was_training = head.training
+        head.eval()
+        try:
+            generator = SpeculativeGenerator(
+                target.model,
+                make_proposer(head, self.tree_paths),
+                GreedyVerifier(),
+                eos_token_id=eos_token_ids(target),
+            )
+            tokens, forwards, per_request = 0, 0, []
+            for ids in self._prompts(target.tokenizer):
+                result = generator.generate(ids, self.max_new_tokens)
+                decode_tokens = result.new_tokens.numel() - 1  # the prefill emits one token
+                decode_forwards = result.num_target_forwards - 1
+                tokens, forwards = tokens + decode_tokens, forwards + decode_forwards
+                if decode_forwards:
+                    per_request.append(decode_tokens / decode_forwards)
+        finally:
+            head.train(was_training)
+        return {
+            "tau": tokens / forwards if forwards else 0.0,
+            "tau_per_request": sum(per_request) / len(per_request) if per_request else 0.0,
+        }

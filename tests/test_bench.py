@@ -1,0 +1,267 @@
+"""The benchmark harness: end to end on a tiny random Llama, metrics, report, Hydra config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from eval.bench import (
+    BenchConfig,
+    BenchRun,
+    encode_chat,
+    first_difference,
+    run_benchmark,
+    top2_gaps,
+)
+from eval.hooks import TauEvaluator
+from eval.methods import Record, build_methods
+from eval.report import DEFINITIONS
+from heads.medusa import MedusaConfig, MedusaHeads
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+TREE = [[0], [1], [0, 0]]  # depth 2: fits a 2-head Medusa
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def write_prompts(path: Path) -> Path:
+    rows = [
+        {"question_id": 1, "category": "alpha", "turns": ["abc abc abc", "and again?"]},
+        {"question_id": 2, "category": "beta", "turns": ["Hello there"]},
+        {"id": 3, "category": "alpha", "prompt": "xyz xyz"},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def medusa(target, num_heads: int = 2) -> MedusaHeads:
+    torch.manual_seed(0)
+    return MedusaHeads.for_target(MedusaConfig(num_heads=num_heads), target).eval()
+
+
+@pytest.fixture
+def bench_run(tiny_llama, tmp_path):
+    """One benchmark of all four methods over 3 questions (4 requests) x 12 tokens."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    names = ["plain", "hf_generate", "hf_prompt_lookup", "head"]
+    methods = build_methods(tiny_llama, names, medusa(tiny_llama), TREE)
+    cfg = BenchConfig(name="tiny", path=str(prompts), max_new_tokens=12, warmup=1)
+    out = tmp_path / "run"
+    summary = run_benchmark(tiny_llama, methods, cfg, out)
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    return summary, rows, out
+
+
+def test_outputs_and_summary(bench_run):
+    summary, rows, out = bench_run
+    for name in ("results.jsonl", "summary.json", "report.md"):
+        assert (out / name).is_file(), name
+    assert json.loads((out / "summary.json").read_text()) == json.loads(json.dumps(summary))
+    assert len(rows) == 4 * 4  # (2 + 1 + 1 turns) x 4 methods
+    assert {r["turn"] for r in rows if r["question_id"] == 1} == {1, 2}
+    methods = summary["methods"]
+    assert list(methods) == ["plain", "hf_generate", "hf_prompt_lookup", "head"]
+    for entry in methods.values():
+        assert set(entry["categories"]) == {"alpha", "beta"}
+        for key in (
+            "tau",
+            "tau_per_request",
+            "tokens_per_s",
+            "speedup_vs_plain",
+            "speedup_vs_hf_generate",
+            "accept_rate_by_depth",
+            "greedy_mismatches",
+            "near_tie_mismatches",
+            "requests",
+        ):
+            assert key in entry["overall"], key
+        assert entry["overall"]["requests"] == 4
+    assert summary["meta"]["num_requests"] == 4 and summary["meta"]["threads"] >= 1
+
+
+def test_lossless_and_tau(bench_run):
+    summary, rows, _ = bench_run
+    m = summary["methods"]
+    for name in ("plain", "head", "hf_prompt_lookup"):
+        assert m[name]["overall"]["greedy_mismatches"] == 0, name
+    assert all(r["greedy_match"] for r in rows if r["method"] in ("plain", "head"))
+    assert m["plain"]["overall"]["tau"] == 1.0 and m["hf_generate"]["overall"]["tau"] == 1.0
+    assert m["head"]["overall"]["tau"] >= 1.0 and m["head"]["overall"]["tau_per_request"] >= 1.0
+    # every method saw the same prompt for each request (turn 2 continues HF's answer)
+    for q, turn in {(r["question_id"], r["turn"]) for r in rows}:
+        lengths = {r["prompt_tokens"] for r in rows if (r["question_id"], r["turn"]) == (q, turn)}
+        assert len(lengths) == 1
+    # tau: decode tokens over decode forwards, pooled
+    head = [r for r in rows if r["method"] == "head"]
+    tokens = sum(r["new_tokens"] - r["prefill_tokens"] for r in head)
+    forwards = sum(r["target_forwards"] - 1 for r in head)
+    assert m["head"]["overall"]["tau"] == pytest.approx(tokens / forwards)
+    rates = m["head"]["overall"]["accept_rate_by_depth"]
+    assert len(rates) == 2 and 1 >= rates[0] >= rates[1] >= 0
+    assert len(m["hf_prompt_lookup"]["overall"]["accept_rate_by_depth"]) == 10
+
+
+def test_second_turn_continues_hf_answer(bench_run, tiny_llama):
+    _, rows, _ = bench_run
+    first = next(r for r in rows if (r["question_id"], r["turn"], r["method"]) == (1, 1, "plain"))
+    second = next(r for r in rows if (r["question_id"], r["turn"]) == (1, 2))
+    hf = next(
+        r for r in rows if (r["question_id"], r["turn"], r["method"]) == (1, 1, "hf_generate")
+    )
+    answer = tiny_llama.tokenizer.decode(hf["tokens"], skip_special_tokens=True)
+    messages = [
+        {"role": "user", "content": "abc abc abc"},
+        {"role": "assistant", "content": answer},
+    ]
+    ids = encode_chat(tiny_llama.tokenizer, messages + [{"role": "user", "content": "and again?"}])
+    assert second["prompt_tokens"] == ids.shape[1] > first["prompt_tokens"] + len(hf["tokens"])
+
+
+def test_hf_forward_accounting(bench_run):
+    _, rows, _ = bench_run
+    for r in rows:
+        assert r["target_forwards"] == 1 + len(r["accept_lengths"])
+        if r["method"].startswith("hf_"):  # observed from the cache: exact
+            assert r["prefill_tokens"] + sum(r["accept_lengths"]) == r["new_tokens"]
+        else:  # the engine counts a step's tokens before cutting at max_new_tokens
+            assert r["prefill_tokens"] + sum(r["accept_lengths"]) >= r["new_tokens"]
+        if r["method"] in ("plain", "hf_generate"):
+            assert set(r["accept_lengths"]) <= {1}
+
+
+def test_speedups_are_ratios_of_measured_throughput(bench_run):
+    summary, rows, _ = bench_run
+    m = summary["methods"]
+
+    def tps(method, category=None):
+        mine = [r for r in rows if r["method"] == method and category in (None, r["category"])]
+        return sum(r["new_tokens"] for r in mine) / sum(r["seconds"] for r in mine)
+
+    for name, entry in m.items():
+        assert entry["overall"]["tokens_per_s"] == pytest.approx(tps(name))
+        assert entry["overall"]["speedup_vs_plain"] == pytest.approx(tps(name) / tps("plain"))
+        speedup = entry["categories"]["beta"]["speedup_vs_hf_generate"]
+        assert speedup == pytest.approx(tps(name, "beta") / tps("hf_generate", "beta"))
+    assert m["plain"]["overall"]["speedup_vs_plain"] == pytest.approx(1.0)
+
+
+def test_report_and_plots(bench_run):
+    import matplotlib.image
+
+    _, _, out = bench_run
+    text = (out / "report.md").read_text()
+    assert "## Definitions" in text and "## Method `head`" in text
+    for key, definition in DEFINITIONS.items():
+        assert f"**{key}**: {definition}" in text
+    pngs = ["accept_length_hist.png", "accept_rate_by_depth.png", "tokens_per_s.png"]
+    for name in pngs:
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC
+        assert matplotlib.image.imread(out / name).ndim == 3
+        assert f"]({name})" in text
+
+
+class Corrupt:
+    """Greedy plain decoding with new token 2 replaced: a deliberately lossy method."""
+
+    name, max_draft_depth = "corrupt", 0
+
+    def __init__(self, inner, vocab: int):
+        self.inner, self.vocab = inner, vocab
+
+    def run(self, input_ids, max_new_tokens) -> Record:
+        rec = self.inner.run(input_ids, max_new_tokens)
+        rec.tokens[2] = (rec.tokens[2] + 1) % self.vocab
+        return rec
+
+
+@pytest.mark.parametrize("tie", [1e-4, 1e9])
+def test_mismatches_are_found_with_their_gap(tiny_llama, tmp_path, tie):
+    prompts = write_prompts(tmp_path / "p.jsonl")
+    base = build_methods(tiny_llama, ["hf_generate", "plain"])
+    methods = [base[0], Corrupt(base[1], tiny_llama.vocab_size)]
+    cfg = BenchConfig(path=str(prompts), limit=1, max_new_tokens=6, warmup=0)
+    summary = run_benchmark(tiny_llama, methods, BenchRun(cfg, near_tie_gap=tie), tmp_path / "o")
+    overall = summary["methods"]["corrupt"]["overall"]
+    assert (
+        overall["greedy_mismatches"] == 2
+        and summary["methods"]["hf_generate"]["overall"]["greedy_mismatches"] == 0
+    )
+    assert all(m["first_mismatch"] == 2 and m["top2_gap"] >= 0 for m in overall["mismatches"])
+    assert overall["near_tie_mismatches"] == (2 if tie > 1 else 0)  # random logits: no ties
+
+
+def test_top2_gaps_and_first_difference(tiny_llama):
+    ids = torch.tensor([[2, 10, 11, 12]])
+    new = build_methods(tiny_llama, ["plain"])[0].run(ids, 5).tokens
+    logits = tiny_llama.model(input_ids=torch.tensor([ids[0].tolist() + new])).logits[0]
+    top = logits[3:8].topk(2, dim=-1).values
+    assert top2_gaps(tiny_llama.model, ids, new) == pytest.approx((top[:, 0] - top[:, 1]).tolist())
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_tau_evaluator(tiny_llama, tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl")
+    head = medusa(tiny_llama).train()
+    evaluate = TauEvaluator(prompts, limit=2, max_new_tokens=8, tree=[[0], [0, 0]])
+    result = evaluate(head, tiny_llama)
+    assert set(result) == {"tau", "tau_per_request"}
+    assert 1.0 <= result["tau"] <= 3.0 and 1.0 <= result["tau_per_request"] <= 3.0
+    assert head.training  # mode restored
+    assert evaluate(head, tiny_llama) == result  # greedy: deterministic
+    chain = TauEvaluator(prompts, limit=2, max_new_tokens=8, tree=2)
+    assert chain.tree_paths == [[0], [0, 0]] and chain(head, tiny_llama) == result
+
+
+def test_bench_and_verifier_configs_instantiate():
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from eval.verify import GreedyVerifier, SpeculativeSampler, TypicalVerifier
+
+    kinds = {"greedy": GreedyVerifier, "typical": TypicalVerifier, "sampling": SpeculativeSampler}
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for bench in ("mt_bench", "spec_bench"):
+            cfg = compose("evaluate", overrides=[f"bench={bench}"])
+            assert isinstance(instantiate(cfg.bench, _convert_="all"), BenchConfig)
+        for name, cls in kinds.items():
+            cfg = compose("evaluate", overrides=[f"verifier={name}"])
+            assert isinstance(instantiate(cfg.verifier), cls)
+        cfg = compose("evaluate", overrides=["+experiment=medusa_llama", "tree=tree32"])
+        assert cfg.model.name_or_path == "smollm2_135m" and len(cfg.tree.paths) == 31
+
+
+@pytest.mark.integration
+def test_evaluate_config_runs_end_to_end(tmp_path):
+    """conf/evaluate.yaml + eval.bench.run on model=tiny_random_llama (SmolLM2's tokenizer)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from eval.bench import run
+    from heads.target import load_target
+
+    prompts = write_prompts(tmp_path / "p.jsonl")
+    overrides = [
+        "model=tiny_random_llama",
+        "bench=jsonl",
+        f"bench.path={prompts}",
+        "bench.limit=2",
+        "bench.max_new_tokens=8",
+        "tree=chain",
+        "tree.paths=[[0],[0,0]]",
+        f"out_dir={tmp_path / 'out'}",
+        "threads=1",
+    ]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("evaluate", overrides=overrides)
+    target = load_target(instantiate(cfg.model, _convert_="all"))
+    medusa(target).save_pretrained(tmp_path / "head")
+    cfg.head_path = str(tmp_path / "head")
+    summary = run(cfg)
+    assert list(summary["methods"]) == ["plain", "hf_generate", "hf_prompt_lookup", "head"]
+    assert summary["methods"]["head"]["overall"]["greedy_mismatches"] == 0
+    assert summary["meta"]["head_method"] == "medusa"
+    assert (tmp_path / "out" / "report.md").is_file()
