@@ -47,6 +47,10 @@ class TrainerConfig:
     progress: bool = True
     cpu: bool = False  # force CPU even where an accelerator exists
     find_unused_parameters: bool = False  # DDP: set when a head leaves parameters unused
+    # Keep the head with the best value of this metric in <run_dir>/best_head (e.g. "eval/tau"
+    # from a checkpoint-time evaluator, or "val/loss" with best_mode=min); null keeps none.
+    best_metric: str | None = None
+    best_mode: str = "max"
 
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)

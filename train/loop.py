@@ -43,6 +43,7 @@ from train.config import TrainerConfig, resolve_mixed_precision
 from train.features import batch_features
 from train.optim import build_optimizer, build_scheduler, trainable_parameters
 from train.sampling import count_steps, epoch_batches, make_loader
+from train.selection import BestKeeper, Evaluator, run_evaluators
 from train.tracking import Tracker
 from train.validation import add_stats, evaluate_head, reduce_stats
 
@@ -120,8 +121,11 @@ class Trainer:
         val_dataset: Dataset | None = None,
         tracker: Tracker | None = None,
         callbacks: Sequence[Callback] = (),
+        evaluators: Sequence[Evaluator] = (),
     ) -> None:
         self.cfg, self.run_dir, self.callbacks = cfg, Path(run_dir), list(callbacks)
+        self.evaluators = list(evaluators)
+        self.best = BestKeeper(run_dir, cfg.best_metric, cfg.best_mode)
         self.acc = acc = _make_accelerator(cfg)
         set_seed(cfg.seed, device_specific=True)  # seed + process index
         self.head, self.target, self.layers = head, target, head.feature_layers()
@@ -276,22 +280,35 @@ class Trainer:
         Uses the unwrapped head: a DDP forward would broadcast buffers, a collective that
         deadlocks when processes hold different numbers of validation batches.
         """
-        if self.val_dataset is None:
-            return {}, {}
-        metrics, totals = evaluate_head(
-            self.acc,
-            self.head,
-            self.val_dataset,
-            self.collate_fn,
-            target=self.target,
-            layers=self.layers,
-            batch_size=self.cfg.eval_batch_size or self.cfg.batch_size,
-            num_workers=self.cfg.num_workers,
-            seed=self.cfg.seed,
-        )
+        metrics: dict[str, float] = {}
+        totals: dict[str, list[float]] = {}
+        if self.val_dataset is not None:
+            metrics, totals = evaluate_head(
+                self.acc,
+                self.head,
+                self.val_dataset,
+                self.collate_fn,
+                target=self.target,
+                layers=self.layers,
+                batch_size=self.cfg.eval_batch_size or self.cfg.batch_size,
+                num_workers=self.cfg.num_workers,
+                seed=self.cfg.seed,
+            )
+        if self.evaluators:
+            metrics.update(self._run_evaluators())
+        if self.acc.is_main_process:
+            self.best.update(metrics, self.state.step, self.head)
+        self.acc.wait_for_everyone()
         if log:
             self.tracker.log(metrics, self.state.step)
         return metrics, totals
+
+    def _run_evaluators(self) -> dict[str, float]:
+        """Checkpoint-time evaluators run on the main process; every rank gets the numbers."""
+        found: dict[str, float] = {}
+        if self.acc.is_main_process:
+            found = run_evaluators(self.evaluators, self.head, self.target)
+        return broadcast_object_list([found])[0]
 
     def _log_train(self, window: _Window, bar: tqdm) -> _Window:
         """Reduce the window over processes, log it, and start a new one."""
@@ -391,6 +408,7 @@ def train(
     run_dir: str | os.PathLike,
     tracker: Tracker | None = None,
     callbacks: Sequence[Callback] = (),
+    evaluators: Sequence[Evaluator] = (),
 ) -> TrainResult:
     """Build a Trainer and run it (see Trainer)."""
     trainer = Trainer(
@@ -403,6 +421,7 @@ def train(
         val_dataset=val_dataset,
         tracker=tracker,
         callbacks=callbacks,
+        evaluators=evaluators,
     )
     return trainer.fit()
 

@@ -109,6 +109,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> TrainResul
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
     tracker.log_config(resolved)
     callbacks = [instantiate(c) for c in cfg.get("callbacks", None) or []]
+    evaluators = [instantiate(c) for c in cfg.get("evaluators", None) or []]
     pad_id = target.tokenizer.pad_token_id or 0
     result = train(
         head,
@@ -120,6 +121,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> TrainResul
         run_dir,
         tracker=tracker,
         callbacks=callbacks,
+        evaluators=evaluators,
     )
     tracker.finish()
     if env_rank() == 0:
@@ -141,6 +143,8 @@ def format_summary(result: TrainResult, run_dir: Path) -> str:
         top5 = result.val_metrics.get(key.replace("top1", "top5"))
         extra = f"  top-5 {top5:.3f}" if top5 is not None else ""
         lines.append(f"validation {name}: top-1 {result.val_metrics[key]:.3f}{extra}")
+    for key in sorted(k for k in result.val_metrics if k.startswith("eval/")):
+        lines.append(f"checkpoint-time {key[5:]}: {result.val_metrics[key]:.3f}")
     if result.head_dir is not None:
         size = sum(f.stat().st_size for f in Path(result.head_dir).iterdir())
         lines.append(f"head: {result.head_dir} ({size / 2**20:.1f} MiB)")
