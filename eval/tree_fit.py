@@ -1,0 +1,45 @@
+"""Fit a static tree to a trained Medusa head (the way Medusa derived its sparse trees).
+
+Measure, on held-out data, how often head d's rank-r token is the right one (`rank_accuracy`);
+then keep the paths with the highest product of those estimates (eval.tree.
+expected_acceptance_paths), so a 16/32/64-node tree spends its nodes where this head is right.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from heads.base import masked_shift
+
+
+@torch.no_grad()
+def rank_accuracy(head, target, examples: Sequence[dict], max_rank: int = 10) -> list[list[float]]:
+    """`acc[d][r]`: fraction of assistant positions where head d's r-th best token is the label.
+
+    Head d (0-based) scores token t + d + 2 from the target's hidden state at t (heads/medusa.py);
+    labels outside a reduced draft vocabulary count as misses at every rank.
+    """
+    K = head.config.num_heads
+    hits = torch.zeros(K, max_rank, dtype=torch.float64)
+    counts = torch.zeros(K, dtype=torch.float64)
+    for ex in examples:
+        ids = ex["input_ids"][None]  # (1, T)
+        mask = ex["loss_mask"][None]
+        hidden = ex.get("hidden")
+        if hidden is None:
+            hidden = target.features(ids, torch.ones_like(ids))["hidden"][0]
+        logits = head(hidden.float())  # (K, T, D)
+        for d in range(K):
+            shift = d + 2
+            valid = masked_shift(mask, shift)[0].bool()
+            if not valid.any():
+                continue
+            labels = head.target_to_draft(ids[0, shift:])  # (T - shift,)
+            valid = valid[: ids.shape[1] - shift]
+            top = logits[d, : ids.shape[1] - shift][valid].topk(max_rank, dim=-1).indices
+            hit = top == labels[valid][:, None]  # (N, R)
+            hits[d] += hit.sum(0).double()
+            counts[d] += valid.sum()
+    return (hits / counts.clamp(min=1)[:, None]).tolist()
