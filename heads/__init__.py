@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 
 from heads.base import DraftHead, HeadMismatchError, LossOutput, read_head_config
+from heads.eagle import EagleConfig, EagleHead
+from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.medusa import MedusaConfig, MedusaHeads
 
-# method name recorded in config.json -> class; EAGLE and EAGLE-3 register here too.
-HEAD_CLASSES: dict[str, type] = {"medusa": MedusaHeads}
+# method name recorded in config.json -> class
+HEAD_CLASSES: dict[str, type] = {"medusa": MedusaHeads, "eagle": EagleHead, "eagle3": Eagle3Head}
 
 
 def build_head(config, target, token_counts=None) -> DraftHead:
@@ -30,6 +32,10 @@ def from_pretrained(path: str | os.PathLike, target) -> DraftHead:
 
 __all__ = [
     "DraftHead",
+    "Eagle3Config",
+    "Eagle3Head",
+    "EagleConfig",
+    "EagleHead",
     "HeadMismatchError",
     "LossOutput",
     "MedusaConfig",

@@ -35,6 +35,8 @@ class MedusaConfig:
     share_lm_head: bool = False  # True: project with the target's frozen lm_head (small ckpt)
     draft_vocab_size: int | None = None  # None: the full target vocabulary
     topk: int = 5  # the "top-k" accuracy reported next to top-1
+    # Train against the target's own next-token distribution instead of the data's tokens.
+    soft_targets: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads < 1:
@@ -90,6 +92,8 @@ class MedusaHeads(nn.Module):
         )
         rows = lm_head_weight.detach()
         rows = rows if draft_ids.numel() == V else rows[draft_ids]
+        if config.soft_targets:  # the teacher: the target's frozen rows, never saved
+            self.register_buffer("teacher_proj", rows.clone(), persistent=False)
         if config.share_lm_head:
             # Frozen and not saved: rebuilt from the target's lm_head on load.
             self.register_buffer("shared_proj", rows.clone(), persistent=False)
@@ -137,42 +141,54 @@ class MedusaHeads(nn.Module):
         return target_to_draft(target_ids, self.t2d)
 
     def loss(self, batch: dict[str, Tensor], features: dict[str, Tensor]) -> LossOutput:
-        """Weighted CE of every head over the positions whose label is an assistant token.
+        """Weighted loss of every head over the positions whose label is an assistant token.
 
         Only those positions are projected onto the vocabulary, which is most of the cost.
+        Hard targets: CE against the data's token t+k+2. Soft targets (`soft_targets`): CE
+        against the target's own distribution for that token given the same prefix,
+        softmax(lm_head(h_{t+k+1})) over the draft vocabulary, i.e. distillation of exactly what
+        verification will check.
         """
         hidden = features["hidden"].to(self.d2t.device).float()  # (B, T, H)
-        ids, mask = batch["input_ids"], batch["loss_mask"]
         total = hidden.new_zeros(())
         stats: dict[str, Tensor] = {}
         for k in range(self.config.num_heads):
-            shift = k + 2
-            valid = masked_shift(mask, shift).bool()  # (B, T): label at t + shift is assistant
-            labels = torch.zeros_like(ids)
-            labels[:, : ids.shape[1] - shift] = ids[:, shift:]
-            h = hidden[valid]  # (N, H)
-            target_ids = labels[valid]  # (N,)
-            draft_labels = self.target_to_draft(target_ids)
-            n = h.shape[0]
-            kk = min(self.config.topk, self.draft_vocab_size)
-            if n == 0:
-                for name in ("loss", "top1", f"top{kk}"):
-                    stats[f"head{k}/{name}"] = _pair(0.0, 0, hidden.device)
-                continue
-            logits = self.head_logits(k, h)  # (N, D)
-            inside = draft_labels >= 0
-            ce = F.cross_entropy(logits, draft_labels.clamp(min=0), reduction="none")
-            ce_sum = (ce * inside).sum()
-            n_inside = int(inside.sum())
-            if n_inside:
-                total = total + self.config.decay**k * ce_sum / n_inside
-            topk = logits.topk(kk, dim=-1).indices
-            hit = (topk == draft_labels[:, None]) & inside[:, None]
-            stats[f"head{k}/loss"] = _pair(ce_sum.detach(), n_inside, hidden.device)
-            stats[f"head{k}/top1"] = _pair(hit[:, 0].sum(), n, hidden.device)
-            stats[f"head{k}/top{kk}"] = _pair(hit.any(-1).sum(), n, hidden.device)
+            loss_k, stats_k = self._head_loss(k, hidden, batch["input_ids"], batch["loss_mask"])
+            total = total + self.config.decay**k * loss_k
+            stats.update(stats_k)
         stats["loss"] = _pair(total.detach(), 1, hidden.device)
         return LossOutput(total, stats)
+
+    def _head_loss(self, k: int, hidden: Tensor, ids: Tensor, mask: Tensor):
+        shift, T, dev = k + 2, ids.shape[1], hidden.device
+        valid = masked_shift(mask, shift).bool()  # (B, T): label at t + shift is assistant
+        labels = torch.zeros_like(ids)
+        labels[:, : T - shift] = ids[:, shift:]
+        draft_labels = self.target_to_draft(labels[valid])  # (N,), -1 outside the draft vocab
+        n, kk = int(valid.sum()), min(self.config.topk, self.draft_vocab_size)
+        names = ["loss", "top1", f"top{kk}"] + (["agree"] if self.config.soft_targets else [])
+        if n == 0:
+            return hidden.new_zeros(()), {f"head{k}/{m}": _pair(0.0, 0, dev) for m in names}
+        logits = self.head_logits(k, hidden[valid])  # (N, D)
+        inside = draft_labels >= 0
+        stats = {}
+        if self.config.soft_targets:
+            ahead = torch.zeros_like(hidden)
+            ahead[:, : T - k - 1] = hidden[:, k + 1 :]  # h_{t+k+1}: what the target sees
+            teacher = (ahead[valid] @ self.teacher_proj.t().float()).softmax(-1)  # (N, D)
+            per_pos = -(teacher * logits.log_softmax(-1)).sum(-1)
+            loss_sum, n_loss = per_pos.sum(), n
+            agree = logits.argmax(-1) == teacher.argmax(-1)
+            stats[f"head{k}/agree"] = _pair(agree.sum(), n, dev)
+        else:
+            ce = F.cross_entropy(logits, draft_labels.clamp(min=0), reduction="none")
+            loss_sum, n_loss = (ce * inside).sum(), int(inside.sum())
+        top = logits.topk(kk, dim=-1).indices
+        hit = (top == draft_labels[:, None]) & inside[:, None]
+        stats[f"head{k}/loss"] = _pair(loss_sum.detach(), n_loss, dev)
+        stats[f"head{k}/top1"] = _pair(hit[:, 0].sum(), n, dev)
+        stats[f"head{k}/top{kk}"] = _pair(hit.any(-1).sum(), n, dev)
+        return (loss_sum / n_loss if n_loss else loss_sum * 0), stats
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         tensors = {k: v for k, v in self.state_dict().items()}

@@ -150,3 +150,31 @@ def test_config_validation():
         MedusaConfig(num_heads=0)
     with pytest.raises(ValueError, match="decay"):
         MedusaConfig(decay=1.5)
+
+
+def test_soft_targets_distil_the_target_distribution(tiny_llama):
+    batch = _batch(T=16)
+    feats = _features(tiny_llama, batch)
+    m = MedusaHeads.for_target(MedusaConfig(num_heads=2, soft_targets=True), tiny_llama)
+    out = m.loss(batch, feats)
+    h, mask = feats["hidden"], batch["loss_mask"]
+    for k in range(2):
+        s = k + 2
+        valid = torch.zeros_like(mask, dtype=torch.bool)
+        valid[:, : 16 - s] = mask[:, s:].bool()
+        teacher = tiny_llama.lm_head(h[:, k + 1 : 16 - s + k + 1][valid[:, : 16 - s]]).softmax(-1)
+        student = m(h[:, : 16 - s][valid[:, : 16 - s]])[k].log_softmax(-1)
+        want = -(teacher * student).sum(-1).mean()
+        got = out.stats[f"head{k}/loss"]
+        assert torch.allclose(got[0] / got[1], want, atol=1e-5)
+    # An untrained head is the target's lm_head, so head 0 agrees with the teacher only where
+    # h_t and h_{t+1} share an argmax; after training on the teacher it agrees far more often.
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    before = out.stats["head0/agree"]
+    for _ in range(40):
+        opt.zero_grad()
+        out = m.loss(batch, feats)
+        out.loss.backward()
+        opt.step()
+    after = out.stats["head0/agree"]
+    assert after[0] / after[1] > before[0] / before[1] + 0.3

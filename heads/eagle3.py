@@ -1,0 +1,310 @@
+"""EAGLE-3 draft head (Li et al., 2025, "EAGLE-3: Scaling up Inference Acceleration of Large
+Language Models via Training-Time Test").
+
+Differences from EAGLE-1 (heads/eagle.py):
+- The draft reads a fusion of low, mid and high target layers, h_t = fc([a_t; b_t; c_t]) (3H -> H,
+  no bias; HF hidden_states indices `aux_layers`, default [2, N//2, N-3]), not the last feature.
+- Its decoder layer's q/k/v read [input_layernorm(embed(x_{t+1})); hidden_norm(h_t)] (2H); the
+  residual stream is h_t. The output is not regressed onto any target feature: a final `norm` and
+  the draft's own `lm_head` [D, H] score a reduced vocabulary (the D most frequent training
+  labels, heads/vocab.py d2t/t2d; rows initialised from the target's lm_head, then trained).
+- Training-time test (TTT): the draft is unrolled for `ttt_steps` steps. Step 0 reads the fused
+  target features; step i > 0 reads the draft's own outputs of step i-1, exactly as at decoding
+  time. Loss = sum_i decay**i * CE(draft, softmax of the target's logits over the draft vocab).
+
+Unrolled rows. At step i, row t is the node drafted i levels below the prefix that ends at t:
+hidden = the step-(i-1) output of row t (the predicted feature at t+i), token = x_{t+i+1} (ground
+truth), position t+i; it predicts x_{t+i+2}. Every step appends T keys to one DraftCache, and
+`ttt_attention_mask(T, i)` lets row t see the step-0 keys of positions <= t (the prefix, computed
+from target features) and, for j = 1..i, the step-j key of row t itself (its own ancestors in the
+draft chain) -- what a chain drafted with `step` and a cache sees at inference.
+
+Loss positions: row t at step i counts when x_{t+i+2} is an assistant token and (as in
+SpecForge) the target's own greedy token there lies inside the draft vocabulary: where it does
+not, the renormalised distribution would teach the draft to prefer a token the target would not
+pick. `mask_outside_vocab=False` keeps those positions and saves a full-vocabulary projection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from heads.base import (
+    HeadMismatchError,
+    LossOutput,
+    TargetInfo,
+    check_target,
+    load_head_tensors,
+    masked_shift,
+)
+from heads.base import save_head as _save_head
+from heads.draft_layer import DraftCache, DraftDecoderLayer, LayerSpec, RMSNorm
+from heads.eagle import check_shapes, eos_ids, pair, topk_hits
+from heads.vocab import d2t_t2d, draft_to_target, select_draft_ids, target_to_draft
+
+METHOD = "eagle3"
+
+
+@dataclass
+class Eagle3Config:
+    # HF hidden_states indices fused by fc (null: [2, N//2, N-3] for an N-layer target).
+    aux_layers: list[int] | None = None
+    draft_vocab_size: int | None = 32000  # null or >= the target vocab: the full vocabulary
+    ttt_steps: int = 7  # unrolled training-time-test steps
+    decay: float = 0.8  # step i's loss weight is decay**i
+    mask_outside_vocab: bool = True  # skip positions whose target argmax is outside the draft vocab
+    topk: int = 5
+
+    def __post_init__(self) -> None:
+        if self.aux_layers is not None:
+            self.aux_layers = [int(i) for i in self.aux_layers]
+            if not self.aux_layers:
+                raise ValueError("head.aux_layers is empty: give layer indices, or null.")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError("head.draft_vocab_size must be positive, or null for the full vocab.")
+        if self.ttt_steps < 1:
+            raise ValueError(f"head.ttt_steps={self.ttt_steps}: unroll at least one step.")
+        if not 0 < self.decay <= 1:
+            raise ValueError(f"head.decay={self.decay}: use a weight in (0, 1].")
+        if self.topk < 1:
+            raise ValueError(f"head.topk={self.topk}: use 1 or more.")
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """[2, N//2, N-3] (low, mid, high residual-stream states), clamped into [0, N-1]."""
+    top = num_layers - 1
+    return [min(2, top), min(num_layers // 2, top), max(num_layers - 3, 0)]
+
+
+def ttt_attention_mask(length: int, step: int, device=None) -> Tensor:
+    """Which keys row t may attend to at unroll step `step`: `[T, (step + 1) * T]` bool.
+
+    Keys are laid out step by step, T per step (the DraftCache order). Row t sees the step-0
+    keys of rows <= t and the step-j key of row t for j = 1..step.
+    """
+    rows = torch.arange(length, device=device)
+    causal = rows[None, :] <= rows[:, None]  # (T, T)
+    diagonal = torch.eye(length, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [diagonal] * step, dim=1)
+
+
+class Eagle3Head(nn.Module):
+    """EAGLE-3: fc over aux features, one fused-input decoder layer, norm + reduced lm_head."""
+
+    method = METHOD
+    config_class = Eagle3Config
+
+    def __init__(
+        self,
+        config: Eagle3Config,
+        target_info: TargetInfo,
+        spec: LayerSpec,
+        embed_weight: Tensor,
+        lm_head_weight: Tensor,
+        draft_ids: Tensor | None = None,
+    ):
+        super().__init__()
+        if config.aux_layers is None:
+            raise ValueError("Eagle3Head needs resolved aux_layers (use Eagle3Head.for_target).")
+        self.config, self.target_info, self.spec = config, target_info, spec
+        H, V = target_info.hidden_size, target_info.vocab_size
+        check_shapes(target_info, embed_weight, lm_head_weight)
+        draft_ids = torch.arange(V) if draft_ids is None else draft_ids
+        d2t, t2d = d2t_t2d(draft_ids, V)
+        self.register_buffer("d2t", d2t)
+        self.register_buffer("t2d", t2d)
+        self.fc = nn.Linear(len(config.aux_layers) * H, H, bias=False)
+        self.layers = nn.ModuleList([DraftDecoderLayer(spec, fused_input=True)])
+        self.norm = RMSNorm(H, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(H, draft_ids.numel(), bias=False)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(lm_head_weight.detach()[draft_ids].float())
+        # The target's own tensors, frozen, never saved: embeddings, and its lm_head for the
+        # soft targets while training.
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        self.register_buffer("target_lm_head", lm_head_weight.detach(), persistent=False)
+
+    @classmethod
+    def for_target(cls, config: Eagle3Config, target, token_counts: Tensor | None = None):
+        """A new head for `target`; a reduced vocab needs label counts from the training data."""
+        N = target.num_layers
+        layers = config.aux_layers or default_aux_layers(N)
+        if any(not 0 <= i < N for i in layers):
+            raise ValueError(
+                f"head.aux_layers={layers}: HF hidden_states indices must lie in [0, {N - 1}] "
+                f"(index {N} is the post-norm output)."
+            )
+        config = dataclasses.replace(config, aux_layers=list(layers))
+        draft_ids = None
+        if config.draft_vocab_size is not None and config.draft_vocab_size < target.vocab_size:
+            if token_counts is None:
+                raise ValueError("head.draft_vocab_size needs token counts of the training labels.")
+            draft_ids = select_draft_ids(token_counts, config.draft_vocab_size, eos_ids(target))
+        spec = LayerSpec.from_hf_config(target.model.config)
+        return cls(
+            config,
+            TargetInfo.of(target),
+            spec,
+            target.embed_tokens.weight,
+            target.lm_head.weight,
+            draft_ids,
+        )
+
+    # ---- drafting interface (eval/eagle_proposer.py) -------------------------------------
+
+    def feature_layers(self) -> list[int] | None:
+        return list(self.config.aux_layers)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return int(self.d2t.numel())
+
+    def target_hidden(self, features: dict[str, Tensor]) -> Tensor:
+        """Fused target features h = fc(aux): (..., kH) -> (..., H)."""
+        return self.fc(features["aux"].to(self.fc.weight.device, self.fc.weight.dtype))
+
+    def draft_hidden(
+        self,
+        tokens: Tensor,
+        hidden: Tensor,
+        position_ids: Tensor,
+        cache: DraftCache,
+        attn_mask: Tensor | None = None,
+    ) -> Tensor:
+        """The layer's output (B, q, H) (pre-norm; fed back as `hidden` one level deeper)."""
+        dtype = self.fc.weight.dtype
+        embeds = F.embedding(tokens, self.embed_weight).to(dtype)  # (B, q, H)
+        return self.layers[0](hidden.to(dtype), position_ids, cache, attn_mask, embeds=embeds)
+
+    def step(
+        self,
+        tokens: Tensor,
+        hidden: Tensor,
+        position_ids: Tensor,
+        cache: DraftCache,
+        attn_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """One draft forward over q rows: (out_hidden (B, q, H), logits (B, q, D)).
+
+        Row t: hidden = the fused feature at position t (target_hidden) or the draft's own
+        out_hidden of the parent node, tokens = x_{t+1}; logits[t] score x_{t+2} over the draft
+        vocabulary (map ids with draft_to_target). The cache gains the q rows' keys and values.
+        """
+        out = self.draft_hidden(tokens, hidden, position_ids, cache, attn_mask)
+        return out, self.logits(out)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Draft-vocabulary scores of a draft output: (..., H) -> (..., D)."""
+        return self.lm_head(self.norm(hidden.to(self.lm_head.weight.dtype)))
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """The same as `logits`."""
+        return self.logits(hidden)
+
+    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
+        return draft_to_target(draft_ids, self.d2t)
+
+    def target_to_draft(self, target_ids: Tensor) -> Tensor:
+        return target_to_draft(target_ids, self.t2d)
+
+    # ---- training ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def soft_targets(self, hidden: Tensor, label_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The target's next-token distributions over the draft vocab, where they are needed.
+
+        hidden (B, T, H): the target's last hidden state; label_mask (B, T): rows t whose next
+        token x_{t+1} is a label. Returns probs (N, D) for those rows, index (B, T) (row of
+        `probs`, -1 where none) and usable (B, T): the target's argmax there is in the vocab.
+        """
+        h = hidden[label_mask]  # (N, H)
+        weight = self.target_lm_head
+        draft_ids = self.draft_to_target(torch.arange(self.draft_vocab_size, device=h.device))
+        logits = F.linear(h.to(weight.dtype), weight[draft_ids]).float()  # (N, D)
+        usable = torch.ones(h.shape[0], dtype=torch.bool, device=h.device)
+        if self.config.mask_outside_vocab and self.draft_vocab_size < self.target_info.vocab_size:
+            usable = self.t2d[F.linear(h.to(weight.dtype), weight).argmax(-1)]
+        index = torch.full(label_mask.shape, -1, dtype=torch.long, device=h.device)
+        index[label_mask] = torch.arange(h.shape[0], device=h.device)
+        usable_bt = torch.zeros(label_mask.shape, dtype=torch.bool, device=h.device)
+        usable_bt[label_mask] = usable
+        return logits.softmax(-1), index, usable_bt
+
+    def loss(self, batch: dict[str, Tensor], features: dict[str, Tensor]) -> LossOutput:
+        """Training-time test: `ttt_steps` unrolled steps, decayed soft CE per step."""
+        ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+        B, T = ids.shape
+        device = self.fc.weight.device
+        probs, index, usable = self.soft_targets(
+            features["hidden"].to(device), masked_shift(loss_mask, 1).bool()
+        )
+        hidden = self.target_hidden(features)  # (B, T, H)
+        cache = DraftCache()
+        rows = torch.arange(T, device=device)
+        total = hidden.sum() * 0.0  # keeps every parameter in the graph (DDP) if nothing counts
+        stats: dict[str, Tensor] = {}
+        k = min(self.config.topk, self.draft_vocab_size)
+        for i in range(self.config.ttt_steps):
+            tokens = shift_left(ids, i + 1)  # row t: x_{t+i+1}
+            mask = ttt_attention_mask(T, i, device)[None, None]
+            hidden = self.draft_hidden(tokens, hidden, (rows + i).expand(B, T), cache, mask)
+            # row t predicts x_{t+i+2}: the target's distribution at position t+i+1
+            valid = masked_shift(loss_mask, i + 2).bool() & shift_left(usable, i + 1)
+            want = probs[shift_left(index, i + 1)[valid]]  # (N, D)
+            logits = self.logits(hidden[valid]).float()  # (N, D)
+            ce = -(want * logits.log_softmax(-1)).sum(-1)  # (N,)
+            n = ce.shape[0]
+            if n:
+                total = total + self.config.decay**i * ce.mean()
+            top1, topk = topk_hits(logits, want.argmax(-1), k)
+            stats[f"step{i}/loss"] = pair(ce.detach().sum(), n, device)
+            stats[f"step{i}/top1"] = pair(top1, n, device)
+            stats[f"step{i}/top{k}"] = pair(topk, n, device)
+        # the first drafted token's accuracy, the same quantity as Medusa's head0
+        stats["head0/top1"] = stats["step0/top1"]
+        stats[f"head0/top{k}"] = stats[f"step0/top{k}"]
+        stats["loss"] = pair(total.detach(), 1, device)
+        return LossOutput(total, stats)
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        _save_head(path, METHOD, self.config, self.target_info, dict(self.state_dict()))
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, target, doc: dict | None = None):
+        from heads.base import read_head_config
+
+        doc = doc or read_head_config(path)
+        info = TargetInfo(**doc["target"])
+        check_target(info, target, path)
+        config = Eagle3Config(**doc["config"])
+        if info.num_layers != target.num_layers:
+            raise HeadMismatchError(
+                f"head at {path} fuses layers {config.aux_layers} of a {info.num_layers}-layer "
+                f"target ({info.name_or_path!r}), but the target given has {target.num_layers} "
+                "layers. Load the head onto the model it was trained on, or train a new head."
+            )
+        tensors = load_head_tensors(path)
+        draft_ids = draft_to_target(torch.arange(tensors["d2t"].numel()), tensors["d2t"])
+        head = cls(
+            config,
+            info,
+            LayerSpec.from_hf_config(target.model.config),
+            target.embed_tokens.weight,
+            target.lm_head.weight,
+            draft_ids,
+        )
+        head.load_state_dict(tensors, strict=True)
+        return head
+
+
+def shift_left(x: Tensor, n: int) -> Tensor:
+    """`out[:, t] = x[:, t + n]`, zeros (False) past the end."""
+    return masked_shift(x, n)
