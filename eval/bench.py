@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from eval.dynamic_tree import spec_depth, spec_nodes, tree_spec
 from eval.methods import (
     HFGenerateMethod,
     Method,
@@ -240,6 +241,7 @@ def _versions() -> dict:
 def run(cfg) -> dict:
     """evaluate.py's body: build everything from the composed config, then run_benchmark."""
     from hydra.utils import instantiate
+    from omegaconf import OmegaConf
 
     import heads
     from heads.target import load_target
@@ -259,13 +261,13 @@ def run(cfg) -> dict:
     elif "head" in names:
         log.warning("head_path is null: running the baselines only (%s)", names)
         names = [n for n in names if n != "head"]
-    tree_paths = [list(p) for p in cfg.tree.paths]
-    meta |= {"tree_nodes": len(tree_paths) + 1, "tree_depth": max(map(len, tree_paths), default=0)}
+    tree = tree_spec(OmegaConf.to_container(cfg.tree, resolve=True))  # paths, or dynamic
+    meta |= {"tree_nodes": spec_nodes(tree), "tree_depth": spec_depth(tree)}
     methods = build_methods(
         target,
         names,
         head,
-        tree_paths,
+        tree,
         verifier,
         cfg.prompt_lookup_num_tokens,
         cfg.get("max_context"),

@@ -98,12 +98,19 @@ def _start(model, input_ids: Tensor, max_new_tokens: int, eos, max_context: int 
     return max_context, _Output(room, "context", _eos_set(eos))
 
 
-def _prefill(model, cache, input_ids: Tensor, verifier: Verifier) -> tuple[DecodeState, list[int]]:
-    """One forward over the prompt; the verifier picks the first new token from its last logits."""
-    logits, hidden = kv_cache.forward(model, cache, input_ids)
-    first = verifier.verify(logits[-1:], root_only_draft(int(input_ids[0, -1]), logits.device))
+def _prefill(
+    model, cache, input_ids: Tensor, verifier: Verifier, layers=None
+) -> tuple[DecodeState, list[int]]:
+    """One forward over the prompt; the verifier picks the first new token from its last logits.
+
+    `layers`: HF hidden_states indices the proposer wants in `DecodeState.step_aux` (or None).
+    """
+    out = kv_cache.forward_features(model, cache, input_ids, layers=layers)
+    first = verifier.verify(
+        out.logits[-1:], root_only_draft(int(input_ids[0, -1]), out.logits.device)
+    )
     next_tokens = torch.cat([input_ids[0, 1:], torch.tensor(first.tokens, device=input_ids.device)])
-    return DecodeState(hidden, next_tokens, input_ids.shape[1]), first.tokens
+    return DecodeState(out.hidden, next_tokens, input_ids.shape[1], out.aux), first.tokens
 
 
 def _result(input_ids: Tensor, out: _Output, forwards: int, accepts: list[int], t0: float):
@@ -141,7 +148,8 @@ class SpeculativeGenerator:
             self.model, input_ids, max_new_tokens, self.eos_token_id, self.max_context
         )
         cache = kv_cache.make_cache(self.model)
-        state, first = _prefill(self.model, cache, input_ids, self.verifier)
+        layers = getattr(self.proposer, "feature_layers", None)
+        state, first = _prefill(self.model, cache, input_ids, self.verifier, layers)
         out.extend(first)
         forwards, accepts = 1, []
         while not out.done:
@@ -155,14 +163,16 @@ class SpeculativeGenerator:
         """Propose a tree, verify it in one target forward, commit the accepted path."""
         draft = self.proposer.propose(state)
         draft = draft.truncated(max_context - 1 - state.position)  # deepest node fits the context
-        logits, hidden = kv_cache.tree_forward(
-            self.model, cache, draft.tokens, draft.tree.depth, draft.tree.attn_mask
+        layers = getattr(self.proposer, "feature_layers", None)
+        out = kv_cache.tree_forward_features(
+            self.model, cache, draft.tokens, draft.tree.depth, draft.tree.attn_mask, layers
         )
-        verdict = self.verifier.verify(logits, draft)
+        verdict = self.verifier.verify(out.logits, draft)
         kv_cache.keep_path(cache, state.position, verdict.nodes)
-        nodes = torch.tensor(verdict.nodes, device=hidden.device)
-        emitted = torch.tensor(verdict.tokens, device=hidden.device)
-        state = DecodeState(hidden[nodes], emitted, state.position + len(verdict.nodes))
+        nodes = torch.tensor(verdict.nodes, device=out.hidden.device)
+        emitted = torch.tensor(verdict.tokens, device=out.hidden.device)
+        aux = None if out.aux is None else out.aux[nodes]
+        state = DecodeState(out.hidden[nodes], emitted, state.position + len(verdict.nodes), aux)
         return state, verdict.tokens
 
 

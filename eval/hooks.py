@@ -15,9 +15,10 @@ import torch
 from torch import Tensor
 
 from eval.bench import encode_chat, resolve_path
+from eval.dynamic_tree import DynamicTreeConfig, load_tree_spec, tree_spec
 from eval.generator import SpeculativeGenerator
 from eval.methods import eos_token_ids, make_proposer
-from eval.tree import chain_paths, load_tree_paths
+from eval.tree import chain_paths
 from eval.verify import GreedyVerifier
 
 
@@ -25,9 +26,11 @@ class TauEvaluator:
     """`evaluator(head, target) -> {"tau": float, "tau_per_request": float}`.
 
     prompts_path: a prompt JSONL (data.read_prompts); the first `limit` questions' first turns.
-    tree: a conf/tree/*.yaml file, a list of paths (e.g. [[0], [0, 0]]), or an int d for a chain
-          of d top-1 tokens (e.g. `tree: ${head.num_heads}` in a Hydra config). It must be no
-          deeper than the head drafts (a Medusa head with K heads drafts K tokens).
+    tree: a conf/tree/*.yaml file (static paths, or conf/tree/dynamic.yaml), a list of paths
+          (e.g. [[0], [0, 0]]), an int d for a chain of d top-1 tokens (e.g. `tree:
+          ${head.num_heads}` in a Hydra config), or an EAGLE-2 dynamic tree (a DynamicTreeConfig
+          or a mapping {depth, top_k, total_tokens}; EAGLE and EAGLE-3 heads only). A Medusa
+          tree must be no deeper than the head drafts (K heads draft K tokens).
     chat_template: for tokenizers without one (see data.resolve_chat_template).
     The head is put in eval mode for the call and back in its previous mode afterwards.
     """
@@ -37,7 +40,7 @@ class TauEvaluator:
         prompts_path: str | Path,
         limit: int = 4,
         max_new_tokens: int = 32,
-        tree: int | str | Path | list = "conf/tree/chain.yaml",
+        tree: int | str | Path | list | dict | DynamicTreeConfig = "conf/tree/chain.yaml",
         chat_template: str | None = None,
     ):
         from data import read_prompts
@@ -50,11 +53,13 @@ class TauEvaluator:
         self.turns = [q["turns"][0] for q in read_prompts(str(path))[:limit]]
         self.max_new_tokens, self.chat_template = max_new_tokens, chat_template
         if isinstance(tree, int):
-            self.tree_paths = chain_paths(tree)
+            self.tree = tree_spec(chain_paths(tree))
         elif isinstance(tree, (str, Path)):
-            self.tree_paths = load_tree_paths(resolve_path(tree))
+            self.tree = load_tree_spec(resolve_path(tree))
         else:
-            self.tree_paths = [list(p) for p in tree]
+            self.tree = tree_spec(tree)
+        # the static paths (None for a dynamic tree)
+        self.tree_paths = None if isinstance(self.tree, DynamicTreeConfig) else self.tree
         self._encoded: tuple[object, list[Tensor]] | None = None  # (tokenizer, prompts)
 
     def _prompts(self, tokenizer) -> list[Tensor]:
@@ -73,7 +78,7 @@ class TauEvaluator:
         try:
             generator = SpeculativeGenerator(
                 target.model,
-                make_proposer(head, self.tree_paths),
+                make_proposer(head, self.tree),
                 GreedyVerifier(),
                 eos_token_id=eos_token_ids(target),
             )

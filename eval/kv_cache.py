@@ -17,6 +17,8 @@ Facts this module relies on (checked by experiment on transformers 5.24, CPU):
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -59,17 +61,25 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def forward(
+@dataclass(frozen=True)
+class ForwardOutput:
+    """logits [q, V] float32; hidden [q, H] after the final norm; aux [q, len(layers) * H] the
+    HF hidden_states[i] for i in `layers`, concatenated (None when no layers were asked for)."""
+
+    logits: Tensor
+    hidden: Tensor
+    aux: Tensor | None = None
+
+
+def forward_features(
     model,
     cache: DynamicCache,
     input_ids: Tensor,
     position_ids: Tensor | None = None,
     attention_mask: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Run the unmodified HF forward on top of `cache` (updated in place).
-
-    input_ids [1, q] -> (logits [q, V] float32, hidden [q, H] after the final norm).
-    """
+    layers: Sequence[int] | None = None,
+) -> ForwardOutput:
+    """Run the unmodified HF forward on top of `cache` (updated in place); input_ids [1, q]."""
     out = model(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -78,7 +88,21 @@ def forward(
         output_hidden_states=True,
         **{_cache_kwarg(model): cache},
     )
-    return out.logits[0].float(), out.hidden_states[-1][0]
+    states = out.hidden_states
+    aux = torch.cat([states[i][0] for i in layers], dim=-1) if layers else None
+    return ForwardOutput(out.logits[0].float(), states[-1][0], aux)
+
+
+def forward(
+    model,
+    cache: DynamicCache,
+    input_ids: Tensor,
+    position_ids: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """input_ids [1, q] -> (logits [q, V] float32, hidden [q, H]); see `forward_features`."""
+    out = forward_features(model, cache, input_ids, position_ids, attention_mask)
+    return out.logits, out.hidden
 
 
 def tree_attention_mask(tree_mask: Tensor, prefix_len: int, dtype: torch.dtype) -> Tensor:
@@ -91,19 +115,31 @@ def tree_attention_mask(tree_mask: Tensor, prefix_len: int, dtype: torch.dtype) 
     return mask[None, None]
 
 
-def tree_forward(
-    model, cache: DynamicCache, tokens: Tensor, depth: Tensor, tree_mask: Tensor
-) -> tuple[Tensor, Tensor]:
+def tree_forward_features(
+    model,
+    cache: DynamicCache,
+    tokens: Tensor,
+    depth: Tensor,
+    tree_mask: Tensor,
+    layers: Sequence[int] | None = None,
+) -> ForwardOutput:
     """Verify a whole tree in one forward: tokens [N], depth [N], tree_mask [N, N] bool.
 
     Node i sits at position prefix_len + depth[i] and sees the prefix plus its ancestors. The N
     new entries are appended to the cache; `keep_path` then keeps the accepted ones.
-    Returns (logits [N, V] float32, hidden [N, H]).
     """
     prefix_len = cache_length(cache)
     mask = tree_attention_mask(tree_mask, prefix_len, model.dtype)
     position_ids = (prefix_len + depth)[None]
-    return forward(model, cache, tokens[None], position_ids=position_ids, attention_mask=mask)
+    return forward_features(model, cache, tokens[None], position_ids, mask, layers)
+
+
+def tree_forward(
+    model, cache: DynamicCache, tokens: Tensor, depth: Tensor, tree_mask: Tensor
+) -> tuple[Tensor, Tensor]:
+    """`tree_forward_features` without aux: (logits [N, V] float32, hidden [N, H])."""
+    out = tree_forward_features(model, cache, tokens, depth, tree_mask)
+    return out.logits, out.hidden
 
 
 def keep_path(cache: DynamicCache, prefix_len: int, kept_indices: Tensor | list[int]) -> None:

@@ -19,14 +19,22 @@ import torch
 from torch import Tensor
 
 from eval import kv_cache
+from eval.dynamic_tree import DynamicTreeConfig, TreeSpec, spec_depth, tree_spec
+from eval.eagle_proposer import EagleProposer
 from eval.generator import GenerationResult, SpeculativeGenerator, plain_decode
 from eval.proposers import MedusaProposer, Proposer
 from eval.tree import TreeBuffers, build_tree
 from eval.verify import GreedyVerifier, Verifier
 
 BASELINES = ("plain", "hf_generate", "hf_prompt_lookup")
-# head.method -> proposer over a static tree; EAGLE registers its proposer here.
-PROPOSERS: dict[str, Callable[[Any, TreeBuffers], Proposer]] = {"medusa": MedusaProposer}
+# head.method -> proposer(head, tree): a static tree (TreeBuffers) or, for the methods in
+# DYNAMIC_TREE_METHODS, an EAGLE-2 DynamicTreeConfig.
+PROPOSERS: dict[str, Callable[[Any, TreeBuffers | DynamicTreeConfig], Proposer]] = {
+    "medusa": MedusaProposer,
+    "eagle": EagleProposer,
+    "eagle3": EagleProposer,
+}
+DYNAMIC_TREE_METHODS = ("eagle", "eagle3")
 NEUTRAL_PROCESSORS = {
     "temperature": 1.0,
     "top_k": 50,
@@ -192,25 +200,35 @@ def eos_token_ids(target) -> list[int]:
     return sorted(ids)
 
 
-def make_proposer(head, tree_paths: list[list[int]]) -> Proposer:
-    """The proposer for a draft head over a static tree (see `PROPOSERS`)."""
+def make_proposer(head, tree: TreeSpec) -> Proposer:
+    """The proposer for a draft head (see `PROPOSERS`) over `tree`: Medusa-style paths (static)
+    or a DynamicTreeConfig (EAGLE-2; EAGLE and EAGLE-3 heads only)."""
     method = getattr(head, "method", None)
     if method not in PROPOSERS:
         raise ValueError(f"no proposer for head method {method!r}; known: {sorted(PROPOSERS)}.")
-    return PROPOSERS[method](head, build_tree(tree_paths))
+    tree = tree_spec(tree)
+    if isinstance(tree, DynamicTreeConfig):
+        if method not in DYNAMIC_TREE_METHODS:
+            raise ValueError(
+                f"a {method!r} head drafts a static tree only; pick tree paths (conf/tree/tree16"
+                f".yaml, ...) instead of a dynamic tree (dynamic trees: {DYNAMIC_TREE_METHODS})."
+            )
+        return PROPOSERS[method](head, tree)
+    return PROPOSERS[method](head, build_tree(tree))
 
 
 def build_methods(
     target,
     names: Sequence[str],
     head=None,
-    tree_paths=None,
+    tree: TreeSpec | None = None,
     verifier: Verifier | None = None,
     prompt_lookup_num_tokens: int = 10,
     max_context: int | None = None,
 ) -> list[Method]:
-    """Methods by name: plain, hf_generate, hf_prompt_lookup, head (needs head + tree_paths).
+    """Methods by name: plain, hf_generate, hf_prompt_lookup, head (needs head + tree).
 
+    `tree`: static paths ([[0], [0, 0], ...]) or an EAGLE-2 DynamicTreeConfig (EAGLE heads).
     `verifier` (default greedy) decides the tokens of `plain` and `head`; the HF baselines are
     always greedy.
     """
@@ -226,11 +244,11 @@ def build_methods(
         elif name == "hf_prompt_lookup":
             methods.append(HFGenerateMethod(name, model, eos, pad, prompt_lookup_num_tokens))
         elif name == "head":
-            if head is None or not tree_paths:
+            if head is None or not tree:
                 raise ValueError("method 'head' needs a trained head (head_path=...) and a tree.")
-            proposer = make_proposer(head, tree_paths)
+            proposer = make_proposer(head, tree)
             generator = SpeculativeGenerator(model, proposer, verifier, eos, max_context)
-            methods.append(SpeculativeMethod(name, generator, build_tree(tree_paths).max_depth))
+            methods.append(SpeculativeMethod(name, generator, spec_depth(tree_spec(tree))))
         else:
             raise ValueError(f"unknown method {name!r}: use {list(BASELINES) + ['head']}.")
     if len({m.name for m in methods}) != len(methods):

@@ -23,6 +23,8 @@ class DecodeState:
     step_tokens: [k] long, the token that follows each of those positions. step_tokens[-1] is
                  x_{t+1}: the last accepted token, not yet cached, the root of the next tree.
     position:    t + 1, the position of the root (= the target's cache length).
+    step_aux:    [k, len(layers) * H] the target's HF hidden_states[i] for i in the proposer's
+                 `feature_layers`, concatenated, at the same k positions; None unless asked for.
     EAGLE-style proposers extend their own cache with the (step_hidden, step_tokens) pairs; Medusa
     needs only the last pair.
     """
@@ -30,6 +32,7 @@ class DecodeState:
     step_hidden: Tensor
     step_tokens: Tensor
     position: int
+    step_aux: Tensor | None = None
 
     @property
     def hidden(self) -> Tensor:
@@ -42,6 +45,10 @@ class DecodeState:
 
 
 class Proposer(Protocol):
+    """`propose(state) -> Draft`. A proposer that needs more of the target than its last hidden
+    state sets `feature_layers` (a list of HF hidden_states indices): the generator then fills
+    `DecodeState.step_aux` with those layers (EAGLE-3)."""
+
     def propose(self, state: DecodeState) -> Draft: ...
 
 

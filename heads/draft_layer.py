@@ -177,12 +177,13 @@ class DraftAttention(nn.Module):
         keys, values = cache.append(ks, vs)  # (B, kv, past + q, d)
         if attn_mask is None:
             attn_mask = causal_mask(q, past, x.device)[None, None]
-        elif tuple(attn_mask.shape[-2:]) != (q, past + q):
+        elif attn_mask.dtype != torch.bool or tuple(attn_mask.shape[-2:]) != (q, past + q):
             raise ValueError(
-                f"attn_mask {tuple(attn_mask.shape)} must end in (q, past + q) = {(q, past + q)}"
+                f"attn_mask must be bool (True = may attend) and end in (q, past + q) = "
+                f"{(q, past + q)}; got {attn_mask.dtype} {tuple(attn_mask.shape)}"
             )
         out = F.scaled_dot_product_attention(
-            qs, keys, values, attn_mask=attn_mask.bool(), enable_gqa=True
+            qs, keys, values, attn_mask=attn_mask, enable_gqa=True
         )  # (B, nh, q, d)
         return self.o_proj(out.transpose(1, 2).reshape(B, q, -1))
 

@@ -229,7 +229,9 @@ class Eagle3Head(nn.Module):
         logits = F.linear(h.to(weight.dtype), weight[draft_ids]).float()  # (N, D)
         usable = torch.ones(h.shape[0], dtype=torch.bool, device=h.device)
         if self.config.mask_outside_vocab and self.draft_vocab_size < self.target_info.vocab_size:
-            usable = self.t2d[F.linear(h.to(weight.dtype), weight).argmax(-1)]
+            # the target's greedy token over its full vocabulary, a chunk of rows at a time
+            best = [F.linear(c.to(weight.dtype), weight).argmax(-1) for c in h.split(1024)]
+            usable = self.t2d[torch.cat(best)] if best else usable
         index = torch.full(label_mask.shape, -1, dtype=torch.long, device=h.device)
         index[label_mask] = torch.arange(h.shape[0], device=h.device)
         usable_bt = torch.zeros(label_mask.shape, dtype=torch.bool, device=h.device)

@@ -137,7 +137,12 @@ def format_summary(result: TrainResult, run_dir: Path) -> str:
             f"training tokens/s: {result.tokens / result.elapsed_s:.0f} "
             f"(loss tokens/s: {result.loss_tokens / result.elapsed_s:.0f})"
         )
-    per_head = sorted(k for k in result.val_metrics if k.endswith("/top1") and "head" in k)
+    # Medusa's head k and EAGLE-3's unroll step i ("step{i}/top1") both draft token t+k+2.
+    per_head = sorted(
+        k
+        for k in result.val_metrics
+        if k.endswith("/top1") and k.split("/")[-2].startswith(("head", "step"))
+    )
     for key in per_head:
         name = key.split("/")[-2]
         top5 = result.val_metrics.get(key.replace("top1", "top5"))
