@@ -15,12 +15,19 @@ from heads.base import masked_shift
 
 
 @torch.no_grad()
-def rank_accuracy(head, target, examples: Sequence[dict], max_rank: int = 10) -> list[list[float]]:
+def rank_accuracy(
+    head, target, examples: Sequence[dict], max_rank: int = 10, against: str = "target"
+) -> list[list[float]]:
     """`acc[d][r]`: fraction of assistant positions where head d's r-th best token is the label.
 
-    Head d (0-based) scores token t + d + 2 from the target's hidden state at t (heads/medusa.py);
-    labels outside a reduced draft vocabulary count as misses at every rank.
+    Head d (0-based) scores token t + d + 2 from the target's hidden state at t (heads/medusa.py).
+    `against="target"`: the label is the target's own greedy choice for that token given the
+    same prefix, argmax lm_head(h_{t+d+1}), which is what greedy verification accepts;
+    `against="data"`: the data's token. Labels outside a reduced draft vocabulary count as
+    misses at every rank.
     """
+    if against not in ("target", "data"):
+        raise ValueError(f"against={against!r}: use 'target' or 'data'.")
     K = head.config.num_heads
     hits = torch.zeros(K, max_rank, dtype=torch.float64)
     counts = torch.zeros(K, dtype=torch.float64)
@@ -30,13 +37,19 @@ def rank_accuracy(head, target, examples: Sequence[dict], max_rank: int = 10) ->
         hidden = ex.get("hidden")
         if hidden is None:
             hidden = target.features(ids, torch.ones_like(ids))["hidden"][0]
-        logits = head(hidden.float())  # (K, T, D)
+        hidden = hidden.float()  # (T, H)
+        logits = head(hidden)  # (K, T, D)
+        if against == "target":
+            greedy = target.lm_head(hidden.to(target.lm_head.weight.dtype)).argmax(-1)  # (T,)
         for d in range(K):
             shift = d + 2
             valid = masked_shift(mask, shift)[0].bool()
             if not valid.any():
                 continue
-            labels = head.target_to_draft(ids[0, shift:])  # (T - shift,)
+            if against == "target":
+                labels = head.target_to_draft(greedy[d + 1 : ids.shape[1] - 1])  # (T - shift,)
+            else:
+                labels = head.target_to_draft(ids[0, shift:])  # (T - shift,)
             valid = valid[: ids.shape[1] - shift]
             top = logits[d, : ids.shape[1] - shift][valid].topk(max_rank, dim=-1).indices
             hit = top == labels[valid][:, None]  # (N, R)

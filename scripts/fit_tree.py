@@ -29,6 +29,12 @@ def main() -> None:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--nodes", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--max-rank", type=int, default=10)
+    parser.add_argument(
+        "--against",
+        choices=["target", "data"],
+        default="target",
+        help="label: the target's greedy token (what verification accepts) or the data's",
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
         "--head", type=Path, default=None, help="head folder (default RUN_DIR/head)"
@@ -39,7 +45,7 @@ def main() -> None:
     target = load_target(TargetConfig(**model_cfg))
     head = heads.from_pretrained(args.head or args.run_dir / "head", target).eval()
     data = prepare_data(cfg.data, target)
-    accuracy = rank_accuracy(head, target, data.val, args.max_rank)
+    accuracy = rank_accuracy(head, target, data.val, args.max_rank, args.against)
     out = args.out or args.run_dir / "conf" / "tree"
     out.mkdir(parents=True, exist_ok=True)
     (out / "accuracy.json").write_text(json.dumps(accuracy, indent=1) + "\n")

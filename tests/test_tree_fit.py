@@ -22,7 +22,7 @@ def test_rank_accuracy_agrees_with_training_stats(tiny_llama):
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    acc = rank_accuracy(head, tiny_llama, examples, max_rank=5)
+    acc = rank_accuracy(head, tiny_llama, examples, max_rank=5, against="data")
     assert len(acc) == 3 and all(len(row) == 5 for row in acc)
     assert all(sum(row) <= 1 + 1e-9 for row in acc)
     batch = collate(examples)
@@ -40,3 +40,19 @@ def test_fitted_tree_prefers_the_accurate_head():
     assert paths == [[0], [0, 1], [0, 2]]
     tree = build_tree(paths)
     assert tree.num_nodes == 4
+
+
+def test_rank_accuracy_against_the_target_greedy_tokens(tiny_llama):
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(4, 256, (20,), generator=g)
+    examples = [{"input_ids": ids, "loss_mask": torch.ones(20, dtype=torch.long)}]
+    head = MedusaHeads.for_target(MedusaConfig(num_heads=2), tiny_llama)
+    # An untrained head 0 is the target's lm_head applied to h_t, so at rank 0 it agrees with the
+    # target's greedy token for t+2 exactly where argmax lm_head(h_t) == argmax lm_head(h_{t+1}).
+    acc = rank_accuracy(head, tiny_llama, examples, max_rank=3, against="target")
+    greedy = tiny_llama.lm_head(
+        tiny_llama.features(ids[None], torch.ones(1, 20).long())["hidden"][0]
+    )
+    greedy = greedy.argmax(-1)
+    want = (greedy[:-2] == greedy[1:-1]).float().mean().item()
+    assert abs(acc[0][0] - want) < 1e-6
