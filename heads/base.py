@@ -155,3 +155,9 @@ def masked_shift(mask: Tensor, shift: int) -> Tensor:
     if shift < mask.shape[1]:
         out[:, : mask.shape[1] - shift] = mask[:, shift:]
     return out
+
+
+def stat_pair(value, count, device) -> Tensor:
+    """A `[sum, count]` statistic (see LossOutput)."""
+    value = torch.as_tensor(value, dtype=torch.float32, device=device).reshape(())
+    return torch.stack([value, torch.tensor(float(count), device=device)])

@@ -30,7 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from heads.base import LossOutput, TargetInfo, check_target, load_head_tensors, masked_shift
+from heads.base import (
+    LossOutput,
+    TargetInfo,
+    check_target,
+    load_head_tensors,
+    masked_shift,
+    stat_pair,
+)
 from heads.base import save_head as _save_head
 from heads.draft_layer import DraftCache, DraftDecoderLayer, LayerSpec
 
@@ -190,14 +197,14 @@ class EagleHead(nn.Module):
         k = min(self.config.topk, draft_logits.shape[-1])
         top1, topk = topk_hits(draft_logits, target_logits.argmax(-1), k)
         stats = {
-            "loss": pair(total.detach(), 1, device),
-            "feat_loss": pair(feat.detach().sum(), n, device),
-            "ce": pair(ce.detach().sum(), n, device),
-            "top1": pair(top1, n, device),
-            f"top{k}": pair(topk, n, device),
+            "loss": stat_pair(total.detach(), 1, device),
+            "feat_loss": stat_pair(feat.detach().sum(), n, device),
+            "ce": stat_pair(ce.detach().sum(), n, device),
+            "top1": stat_pair(top1, n, device),
+            f"top{k}": stat_pair(topk, n, device),
             # the first drafted token's accuracy, the same quantity as Medusa's head0
-            "head0/top1": pair(top1, n, device),
-            f"head0/top{k}": pair(topk, n, device),
+            "head0/top1": stat_pair(top1, n, device),
+            f"head0/top{k}": stat_pair(topk, n, device),
         }
         return LossOutput(total, stats)
 
@@ -249,9 +256,3 @@ def eos_ids(target) -> tuple[int, ...]:
     tok = getattr(target, "tokenizer", None)
     eos = getattr(tok, "eos_token_id", None) if tok is not None else None
     return () if eos is None else (int(eos),)
-
-
-def pair(value, count, device) -> Tensor:
-    """A `[sum, count]` statistic (see heads.base.LossOutput)."""
-    value = torch.as_tensor(value, dtype=torch.float32, device=device).reshape(())
-    return torch.stack([value, torch.tensor(float(count), device=device)])

@@ -42,10 +42,11 @@ from heads.base import (
     check_target,
     load_head_tensors,
     masked_shift,
+    stat_pair,
 )
 from heads.base import save_head as _save_head
 from heads.draft_layer import DraftCache, DraftDecoderLayer, LayerSpec, RMSNorm
-from heads.eagle import check_shapes, eos_ids, pair, topk_hits
+from heads.eagle import check_shapes, eos_ids, topk_hits
 from heads.vocab import d2t_t2d, draft_to_target, select_draft_ids, target_to_draft
 
 METHOD = "eagle3"
@@ -265,13 +266,13 @@ class Eagle3Head(nn.Module):
             if n:
                 total = total + self.config.decay**i * ce.mean()
             top1, topk = topk_hits(logits, want.argmax(-1), k)
-            stats[f"step{i}/loss"] = pair(ce.detach().sum(), n, device)
-            stats[f"step{i}/top1"] = pair(top1, n, device)
-            stats[f"step{i}/top{k}"] = pair(topk, n, device)
+            stats[f"step{i}/loss"] = stat_pair(ce.detach().sum(), n, device)
+            stats[f"step{i}/top1"] = stat_pair(top1, n, device)
+            stats[f"step{i}/top{k}"] = stat_pair(topk, n, device)
         # the first drafted token's accuracy, the same quantity as Medusa's head0
         stats["head0/top1"] = stats["step0/top1"]
         stats[f"head0/top{k}"] = stats[f"step0/top{k}"]
-        stats["loss"] = pair(total.detach(), 1, device)
+        stats["loss"] = stat_pair(total.detach(), 1, device)
         return LossOutput(total, stats)
 
     # ---- checkpoints ---------------------------------------------------------------------

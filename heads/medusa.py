@@ -20,7 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from heads.base import LossOutput, TargetInfo, check_target, load_head_tensors, masked_shift
+from heads.base import (
+    LossOutput,
+    TargetInfo,
+    check_target,
+    load_head_tensors,
+    masked_shift,
+    stat_pair,
+)
 from heads.base import save_head as _save_head
 from heads.vocab import d2t_t2d, draft_to_target, target_to_draft
 
@@ -156,7 +163,7 @@ class MedusaHeads(nn.Module):
             loss_k, stats_k = self._head_loss(k, hidden, batch["input_ids"], batch["loss_mask"])
             total = total + self.config.decay**k * loss_k
             stats.update(stats_k)
-        stats["loss"] = _pair(total.detach(), 1, hidden.device)
+        stats["loss"] = stat_pair(total.detach(), 1, hidden.device)
         return LossOutput(total, stats)
 
     def _head_loss(self, k: int, hidden: Tensor, ids: Tensor, mask: Tensor):
@@ -168,7 +175,7 @@ class MedusaHeads(nn.Module):
         n, kk = int(valid.sum()), min(self.config.topk, self.draft_vocab_size)
         names = ["loss", "top1", f"top{kk}"] + (["agree"] if self.config.soft_targets else [])
         if n == 0:
-            return hidden.new_zeros(()), {f"head{k}/{m}": _pair(0.0, 0, dev) for m in names}
+            return hidden.new_zeros(()), {f"head{k}/{m}": stat_pair(0.0, 0, dev) for m in names}
         logits = self.head_logits(k, hidden[valid])  # (N, D)
         inside = draft_labels >= 0
         stats = {}
@@ -179,15 +186,15 @@ class MedusaHeads(nn.Module):
             per_pos = -(teacher * logits.log_softmax(-1)).sum(-1)
             loss_sum, n_loss = per_pos.sum(), n
             agree = logits.argmax(-1) == teacher.argmax(-1)
-            stats[f"head{k}/agree"] = _pair(agree.sum(), n, dev)
+            stats[f"head{k}/agree"] = stat_pair(agree.sum(), n, dev)
         else:
             ce = F.cross_entropy(logits, draft_labels.clamp(min=0), reduction="none")
             loss_sum, n_loss = (ce * inside).sum(), int(inside.sum())
         top = logits.topk(kk, dim=-1).indices
         hit = (top == draft_labels[:, None]) & inside[:, None]
-        stats[f"head{k}/loss"] = _pair(loss_sum.detach(), n_loss, dev)
-        stats[f"head{k}/top1"] = _pair(hit[:, 0].sum(), n, dev)
-        stats[f"head{k}/top{kk}"] = _pair(hit.any(-1).sum(), n, dev)
+        stats[f"head{k}/loss"] = stat_pair(loss_sum.detach(), n_loss, dev)
+        stats[f"head{k}/top1"] = stat_pair(hit[:, 0].sum(), n, dev)
+        stats[f"head{k}/top{kk}"] = stat_pair(hit.any(-1).sum(), n, dev)
         return (loss_sum / n_loss if n_loss else loss_sum * 0), stats
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
@@ -213,9 +220,3 @@ def _eos_ids(target) -> tuple[int, ...]:
     tok = getattr(target, "tokenizer", None)
     eos = getattr(tok, "eos_token_id", None) if tok is not None else None
     return () if eos is None else (int(eos),)
-
-
-def _pair(value, count, device) -> Tensor:
-    """A `[sum, count]` statistic (see LossOutput)."""
-    value = torch.as_tensor(value, dtype=torch.float32, device=device).reshape(())
-    return torch.stack([value, torch.tensor(float(count), device=device)])

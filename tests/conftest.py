@@ -90,6 +90,16 @@ def make_qwen2(seed: int = 0, hidden: int = 64, layers: int = 2, vocab: int = TI
     return Qwen2ForCausalLM(cfg).eval()
 
 
+def diverse(model, std=0.4, seed=1):
+    """Re-draw the weight matrices larger: at the default init a tiny model repeats one token."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, std)
+    return model
+
+
 @pytest.fixture
 def tokenizer():
     return make_tokenizer()

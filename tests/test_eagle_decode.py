@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_llama, make_qwen2
+from conftest import diverse, make_llama, make_qwen2
 from torch import nn
 
 from eval import kv_cache
@@ -45,16 +45,6 @@ PROMPT = torch.tensor([[2, 40, 17, 99, 5, 63, 120, 8]])
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
 DYNAMIC = DynamicTreeConfig(depth=4, top_k=4, total_tokens=12)
 CONF = Path(__file__).resolve().parents[1] / "conf"
-
-
-def diverse(model, std=0.4, seed=1):
-    """Re-draw the weight matrices larger: at the default init a tiny model repeats one token."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.normal_(0.0, std)
-    return model
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_llama, make_qwen2
+from conftest import diverse, make_llama, make_qwen2
 
 from eval.generator import SpeculativeGenerator, plain_greedy
 from eval.proposers import MedusaProposer
@@ -51,16 +51,6 @@ class StubHeads:
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return ids
-
-
-def diverse(model, std=0.4, seed=1):
-    """Re-draw the weight matrices larger: at the default init a tiny model repeats one token."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.normal_(0.0, std)
-    return model
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
