@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from data.paths import resolve_path
 from eval.dynamic_tree import spec_depth, spec_nodes, tree_spec
 from eval.methods import (
     HFGenerateMethod,
@@ -37,7 +38,6 @@ from eval.methods import (
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = "hf_generate"  # the greedy reference every output is compared with
 
 
@@ -68,14 +68,6 @@ class BenchConfig:
             raise ValueError(f"bench.max_new_tokens={self.max_new_tokens}: need at least 1.")
         if self.warmup < 0:
             raise ValueError(f"bench.warmup={self.warmup}: use 0 or more prompts.")
-
-
-def resolve_path(path: str | Path) -> Path:
-    """A path as given if it exists, else relative to the repository root."""
-    given = Path(path).expanduser()
-    if given.exists() or given.is_absolute():
-        return given
-    return ROOT / given if (ROOT / given).exists() else given
 
 
 def load_bench_prompts(cfg: BenchConfig) -> list[dict]:

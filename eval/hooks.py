@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from eval.bench import encode_chat, resolve_path
+from data.paths import resolve_path
+from eval.bench import encode_chat
 from eval.dynamic_tree import DynamicTreeConfig, load_tree_spec, tree_spec
 from eval.generator import SpeculativeGenerator
 from eval.methods import eos_token_ids, make_proposer

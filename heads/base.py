@@ -145,6 +145,15 @@ def read_head_config(path: str | os.PathLike) -> dict:
     return doc
 
 
+def open_head(path: str | os.PathLike, target: Any, doc: dict | None = None):
+    """A head folder's config.json (unless already read) and its TargetInfo, after refusing a
+    target the head was not trained for."""
+    doc = doc or read_head_config(path)
+    info = TargetInfo(**doc["target"])
+    check_target(info, target, path)
+    return doc, info
+
+
 def load_head_tensors(path: str | os.PathLike) -> dict[str, Tensor]:
     return load_file(str(Path(path) / WEIGHTS_NAME))
 

@@ -33,9 +33,9 @@ from torch import Tensor, nn
 from heads.base import (
     LossOutput,
     TargetInfo,
-    check_target,
     load_head_tensors,
     masked_shift,
+    open_head,
     stat_pair,
 )
 from heads.base import save_head as _save_head
@@ -216,11 +216,7 @@ class EagleHead(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, target, doc: dict | None = None):
         """Load onto `target` (the one it was trained on); the CE then uses the full vocab."""
-        from heads.base import read_head_config
-
-        doc = doc or read_head_config(path)
-        info = TargetInfo(**doc["target"])
-        check_target(info, target, path)
+        doc, info = open_head(path, target, doc)
         head = cls(
             EagleConfig(**doc["config"]),
             info,

@@ -39,9 +39,9 @@ from heads.base import (
     HeadMismatchError,
     LossOutput,
     TargetInfo,
-    check_target,
     load_head_tensors,
     masked_shift,
+    open_head,
     stat_pair,
 )
 from heads.base import save_head as _save_head
@@ -282,11 +282,7 @@ class Eagle3Head(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, target, doc: dict | None = None):
-        from heads.base import read_head_config
-
-        doc = doc or read_head_config(path)
-        info = TargetInfo(**doc["target"])
-        check_target(info, target, path)
+        doc, info = open_head(path, target, doc)
         config = Eagle3Config(**doc["config"])
         if info.num_layers != target.num_layers:
             raise HeadMismatchError(

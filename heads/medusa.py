@@ -23,9 +23,9 @@ from torch import Tensor, nn
 from heads.base import (
     LossOutput,
     TargetInfo,
-    check_target,
     load_head_tensors,
     masked_shift,
+    open_head,
     stat_pair,
 )
 from heads.base import save_head as _save_head
@@ -203,11 +203,7 @@ class MedusaHeads(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, target, doc: dict | None = None):
-        from heads.base import read_head_config
-
-        doc = doc or read_head_config(path)
-        info = TargetInfo(**doc["target"])
-        check_target(info, target, path)
+        doc, info = open_head(path, target, doc)
         config = MedusaConfig(**doc["config"])
         tensors = load_head_tensors(path)
         draft_ids = draft_to_target(torch.arange(tensors["d2t"].numel()), tensors["d2t"])

@@ -29,6 +29,7 @@ from data.dataset import (
     split_examples,
 )
 from data.features import LazyFeatureDataset
+from data.paths import resolve_path
 from heads.target import Target, load_target
 from heads.vocab import count_tokens
 from train.config import TrainerConfig
@@ -36,7 +37,6 @@ from train.loop import TrainResult, train
 from train.tracking import Tracker, env_rank
 
 log = logging.getLogger(__name__)
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -45,20 +45,13 @@ class PreparedData:
     val: list[dict]
 
 
-def resolve_path(path: str) -> str:
-    """A relative data path: the working directory first, then the repository root."""
-    p = Path(path).expanduser()
-    if p.is_absolute() or p.exists():
-        return str(p)
-    in_repo = REPO_ROOT / p
-    return str(in_repo) if in_repo.exists() else path
-
-
 def prepare_data(data_cfg: DictConfig, target: Target) -> PreparedData:
     """Read, tokenize and split the conversations (the same on every process)."""
     sources = [instantiate(s) for s in data_cfg.sources]
     sources = [
-        DataSource(**{**vars(s), "path": resolve_path(s.path)}) if isinstance(s, DataSource) else s
+        DataSource(**{**vars(s), "path": str(resolve_path(s.path))})
+        if isinstance(s, DataSource)
+        else s
         for s in sources
     ]
     conversations = load_conversations(sources)
