@@ -40,6 +40,7 @@ from heads.base import (
 )
 from heads.base import save_head as _save_head
 from heads.draft_layer import DraftCache, DraftDecoderLayer, LayerSpec
+from heads.vocab import frequent_ids
 
 METHOD = "eagle"
 
@@ -95,13 +96,7 @@ class EagleHead(nn.Module):
     @classmethod
     def for_target(cls, config: EagleConfig, target, token_counts: Tensor | None = None):
         """A new head for `target`; `loss_vocab_size` needs label counts of the training data."""
-        loss_ids = None
-        if config.loss_vocab_size is not None and config.loss_vocab_size < target.vocab_size:
-            if token_counts is None:
-                raise ValueError("head.loss_vocab_size needs token counts of the training labels.")
-            from heads.vocab import select_draft_ids
-
-            loss_ids = select_draft_ids(token_counts, config.loss_vocab_size, eos_ids(target))
+        loss_ids = frequent_ids(target, config.loss_vocab_size, token_counts, "loss_vocab_size")
         spec = LayerSpec.from_hf_config(target.model.config)
         return cls(
             config,
@@ -246,9 +241,3 @@ def topk_hits(logits: Tensor, labels: Tensor, k: int) -> tuple[Tensor, Tensor]:
     top = logits.topk(k, dim=-1).indices  # (N, k)
     hit = top == labels[:, None]
     return hit[:, 0].sum().float(), hit.any(-1).sum().float()
-
-
-def eos_ids(target) -> tuple[int, ...]:
-    tok = getattr(target, "tokenizer", None)
-    eos = getattr(tok, "eos_token_id", None) if tok is not None else None
-    return () if eos is None else (int(eos),)

@@ -46,8 +46,8 @@ from heads.base import (
 )
 from heads.base import save_head as _save_head
 from heads.draft_layer import DraftCache, DraftDecoderLayer, LayerSpec, RMSNorm
-from heads.eagle import check_shapes, eos_ids, topk_hits
-from heads.vocab import d2t_t2d, draft_to_target, select_draft_ids, target_to_draft
+from heads.eagle import check_shapes, topk_hits
+from heads.vocab import d2t_t2d, draft_to_target, frequent_ids, target_to_draft
 
 METHOD = "eagle3"
 
@@ -142,11 +142,7 @@ class Eagle3Head(nn.Module):
                 f"(index {N} is the post-norm output)."
             )
         config = dataclasses.replace(config, aux_layers=list(layers))
-        draft_ids = None
-        if config.draft_vocab_size is not None and config.draft_vocab_size < target.vocab_size:
-            if token_counts is None:
-                raise ValueError("head.draft_vocab_size needs token counts of the training labels.")
-            draft_ids = select_draft_ids(token_counts, config.draft_vocab_size, eos_ids(target))
+        draft_ids = frequent_ids(target, config.draft_vocab_size, token_counts, "draft_vocab_size")
         spec = LayerSpec.from_hf_config(target.model.config)
         return cls(
             config,

@@ -29,7 +29,7 @@ from heads.base import (
     stat_pair,
 )
 from heads.base import save_head as _save_head
-from heads.vocab import d2t_t2d, draft_to_target, target_to_draft
+from heads.vocab import d2t_t2d, draft_to_target, frequent_ids, target_to_draft
 
 METHOD = "medusa"
 
@@ -113,13 +113,7 @@ class MedusaHeads(nn.Module):
     @classmethod
     def for_target(cls, config: MedusaConfig, target, token_counts: Tensor | None = None):
         """New heads for `target`; a reduced vocab needs label counts from the training data."""
-        draft_ids = None
-        if config.draft_vocab_size is not None and config.draft_vocab_size < target.vocab_size:
-            if token_counts is None:
-                raise ValueError("draft_vocab_size needs token counts of the training labels.")
-            from heads.vocab import select_draft_ids
-
-            draft_ids = select_draft_ids(token_counts, config.draft_vocab_size, _eos_ids(target))
+        draft_ids = frequent_ids(target, config.draft_vocab_size, token_counts, "draft_vocab_size")
         return cls(config, TargetInfo.of(target), target.lm_head.weight, draft_ids)
 
     @property
@@ -210,9 +204,3 @@ class MedusaHeads(nn.Module):
         heads = cls(config, info, target.lm_head.weight, draft_ids)
         heads.load_state_dict(tensors, strict=True)
         return heads
-
-
-def _eos_ids(target) -> tuple[int, ...]:
-    tok = getattr(target, "tokenizer", None)
-    eos = getattr(tok, "eos_token_id", None) if tok is not None else None
-    return () if eos is None else (int(eos),)

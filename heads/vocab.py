@@ -35,6 +35,19 @@ def select_draft_ids(counts: Tensor, size: int, always: tuple[int, ...] = ()) ->
     return torch.sort(order[:size]).values
 
 
+def frequent_ids(target, size: int | None, token_counts: Tensor | None, option: str):
+    """The sorted ids of a reduced vocabulary of `size` tokens for `target` (always keeping its
+    EOS), or None when `size` is null or covers the whole vocabulary. `option` names the config
+    field in the error raised when the training-label counts are missing."""
+    if size is None or size >= target.vocab_size:
+        return None
+    if token_counts is None:
+        raise ValueError(f"head.{option} needs token counts of the training labels.")
+    tok = getattr(target, "tokenizer", None)
+    eos = getattr(tok, "eos_token_id", None) if tok is not None else None
+    return select_draft_ids(token_counts, size, () if eos is None else (int(eos),))
+
+
 def d2t_t2d(draft_ids: Tensor, vocab_size: int) -> tuple[Tensor, Tensor]:
     """Offsets `d2t` (int64, [D]) and membership mask `t2d` (bool, [V]) for sorted `draft_ids`."""
     draft_ids = draft_ids.to(torch.int64)
