@@ -46,8 +46,9 @@ def draft_tree_mask(ancestors: list[list[int]], committed: int, drafted: int) ->
 class EagleProposer:
     """`propose(state) -> Draft` from an EAGLE / EAGLE-3 head.
 
-    head: `feature_layers()`, `target_hidden(features)`, `step(tokens, hidden, position_ids,
-          cache, attn_mask)`, `draft_to_target(ids)` (see heads/eagle.py, heads/eagle3.py).
+    head: `feature_layers()`, `target_hidden(features)`, `draft_hidden(tokens, hidden,
+          position_ids, cache, attn_mask)` (features only), `step(...)` (features and logits),
+          `draft_to_target(ids)` (see heads/eagle.py, heads/eagle3.py).
     tree: TreeBuffers (static: the node at depth d with rank r is the r-th best child of its
           parent under the draft's logits at that parent) or a DynamicTreeConfig (EAGLE-2).
     draft_temperature: None (default): children are the draft's top-k, deterministic, and the
@@ -131,7 +132,15 @@ class EagleProposer:
         device = hidden.device
         positions = torch.arange(start, state.position, device=device)[None]
         tokens = state.step_tokens.to(device)[None]
-        out_hidden, logits = self.head.step(tokens, hidden, positions, self.cache, None)
+        # Only the last row's scores are needed (they give the root's children): projecting every
+        # absorbed row (a whole prompt at prefill) onto the vocabulary would dominate the step.
+        if k > 1:
+            self.head.draft_hidden(
+                tokens[:, :-1], hidden[:, :-1], positions[:, :-1], self.cache, None
+            )
+        out_hidden, logits = self.head.step(
+            tokens[:, -1:], hidden[:, -1:], positions[:, -1:], self.cache, None
+        )
         self._root = (out_hidden[0, -1], logits[0, -1])
 
     def _feed(

@@ -195,6 +195,9 @@ class ToyEagle(nn.Module):
     def draft_to_target(self, ids):
         return self.ids[ids]
 
+    def draft_hidden(self, tokens, hidden, position_ids, cache, attn_mask):
+        return self.step(tokens, hidden, position_ids, cache, attn_mask)[0]
+
     def step(self, tokens, hidden, position_ids, cache, attn_mask):
         H, q, past = hidden.shape[-1], tokens.shape[1], cache.length
         angle = position_ids[..., None].float() * torch.arange(1, H + 1) / H
@@ -233,17 +236,25 @@ class Oracle:
     def draft_to_target(self, ids):
         return self.head.draft_to_target(ids)
 
+    def _check_committed(self, tokens, hidden, position_ids, attn_mask):
+        if attn_mask is not None:
+            return
+        self.committed = int(position_ids[0, -1]) + 1
+        for j, (p, tok) in enumerate(zip(position_ids[0].tolist(), tokens[0].tolist())):
+            assert tok == self.future[p + 1], "committed rows pair the feature at p with x_{p+1}"
+            assert torch.allclose(hidden[0, j], self.expected[p], atol=1e-4), "wrong feature"
+
+    def draft_hidden(self, tokens, hidden, position_ids, cache, attn_mask):
+        self._check_committed(tokens, hidden, position_ids, attn_mask)
+        return self.head.draft_hidden(tokens, hidden, position_ids, cache, attn_mask)
+
     def step(self, tokens, hidden, position_ids, cache, attn_mask):
+        self._check_committed(tokens, hidden, position_ids, attn_mask)
         out, logits = self.head.step(tokens, hidden, position_ids, cache, attn_mask)
         ids = self.head.draft_to_target(torch.arange(logits.shape[-1])).tolist()
         to_draft = {t: d for d, t in enumerate(ids)}
         committed, future = attn_mask is None, self.future
-        if committed:
-            self.committed = int(position_ids[0, -1]) + 1
         for j, (p, tok) in enumerate(zip(position_ids[0].tolist(), tokens[0].tolist())):
-            if committed:
-                assert tok == future[p + 1], "committed rows pair the feature at p with x_{p+1}"
-                assert torch.allclose(hidden[0, j], self.expected[p], atol=1e-4), "wrong feature"
             depth = 1 if committed else p - self.committed + 2  # depth of the child scored
             if p + 2 < len(future) and tok == future[p + 1] and future[p + 2] in to_draft:
                 row = logits[0, j]
