@@ -27,13 +27,15 @@ import torch
 from torch import Tensor
 
 from data.paths import resolve_path
-from eval.dynamic_tree import spec_depth, spec_nodes, tree_spec
+from eval.dynamic_tree import resolve_tree, spec_depth, spec_nodes, tree_spec
 from eval.methods import (
+    BASELINES,
     HFGenerateMethod,
     Method,
     Record,
     build_methods,
     eos_token_ids,
+    head_method,
 )
 
 log = logging.getLogger(__name__)
@@ -247,28 +249,63 @@ def run(cfg) -> dict:
     target.model.to(_device(cfg.get("device", "auto")))
     names = list(cfg.methods)
     head, meta = None, {"tree": _choice("tree"), "verifier": _choice("verifier")}
+    loaded: dict[str, object] = {}  # one copy of a head folder named by several entries
+
+    def load(path: str):
+        if path not in loaded:
+            head = heads.from_pretrained(resolve_path(path), target)
+            loaded[path] = head.to(target.device).eval()
+        return loaded[path]
+
     if cfg.head_path:
-        head = heads.from_pretrained(resolve_path(cfg.head_path), target).to(target.device).eval()
+        head = load(str(cfg.head_path))
         meta |= {"head_path": str(cfg.head_path), "head_method": head.method}
     elif "head" in names:
-        log.warning("head_path is null: running the baselines only (%s)", names)
+        log.warning("head_path is null: running the method 'head' is skipped (%s)", names)
         names = [n for n in names if n != "head"]
     tree = tree_spec(OmegaConf.to_container(cfg.tree, resolve=True))  # paths, or dynamic
     meta |= {"tree_nodes": spec_nodes(tree), "tree_depth": spec_depth(tree)}
+    max_context = cfg.get("max_context")
     methods = build_methods(
-        target,
-        names,
-        head,
-        tree,
-        verifier,
-        cfg.prompt_lookup_num_tokens,
-        cfg.get("max_context"),
+        target, names, head, tree, verifier, cfg.prompt_lookup_num_tokens, max_context
     )
+    extra = cfg.get("heads")
+    extra = OmegaConf.to_container(extra, resolve=True) if extra else {}
+    if extra:
+        meta["heads"] = {}
+    for name, entry in extra.items():
+        entry = _head_entry(name, entry, {m.name for m in methods})
+        head_tree = resolve_tree(entry["tree"])
+        one = load(str(entry["path"]))
+        methods.append(head_method(target, name, one, head_tree, verifier, max_context))
+        meta["heads"][name] = {
+            "path": str(entry["path"]),
+            "method": one.method,
+            "tree": entry["tree"] if isinstance(entry["tree"], str) else "inline",
+            "tree_nodes": spec_nodes(head_tree),
+            "tree_depth": spec_depth(head_tree),
+        }
     setup = BenchRun(bench, cfg.model.get("chat_template"), cfg.near_tie_gap, meta)
     out_dir = cfg.get("out_dir") or _hydra_output_dir()
     summary = run_benchmark(target, methods, setup, out_dir)
     log.info("wrote %s/report.md", out_dir)
     return summary
+
+
+def _head_entry(name: str, entry, taken: set[str]) -> dict:
+    """Check one `heads.NAME: {path, tree}` entry of evaluate.yaml."""
+    if name in taken or name in (*BASELINES, "head"):
+        raise ValueError(f"heads.{name}: the name is already a method of this run; rename it.")
+    if isinstance(entry, str):
+        entry = {"path": entry}
+    if not isinstance(entry, dict) or not entry.get("path"):
+        raise ValueError(
+            f"heads.{name}={entry!r}: give {{path: HEAD_DIR, tree: tree16|dynamic|...}}."
+        )
+    unknown = set(entry) - {"path", "tree"}
+    if unknown:
+        raise ValueError(f"heads.{name}: unknown keys {sorted(unknown)}; use path and tree.")
+    return {"path": entry["path"], "tree": entry.get("tree", "tree16")}
 
 
 def _device(name: str) -> torch.device:

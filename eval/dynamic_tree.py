@@ -152,6 +152,32 @@ def load_tree_spec(path: str | Path) -> TreeSpec:
     return tree_spec(doc)
 
 
+def resolve_tree(tree: int | str | Path | Mapping | Sequence | DynamicTreeConfig) -> TreeSpec:
+    """Any way a config names a tree: an int d (a chain of d top-1 tokens), a conf/tree option
+    name (`tree16`, `dynamic`), a *.yaml path, a `{paths: ...}` / `{depth, top_k, total_tokens}`
+    mapping, a list of paths, or a DynamicTreeConfig."""
+    from data.paths import resolve_path
+    from eval.tree import chain_paths
+
+    if isinstance(tree, bool):
+        raise ValueError(f"tree={tree!r}: give a conf/tree name, a yaml path, paths or an int.")
+    if isinstance(tree, int):
+        return tree_spec(chain_paths(tree))
+    if isinstance(tree, (str, Path)):
+        name = str(tree)
+        if "/" not in name and not name.endswith((".yaml", ".yml")):
+            path = resolve_path(f"conf/tree/{name}.yaml")
+            if not path.is_file():
+                known = sorted(p.stem for p in path.parent.glob("*.yaml"))
+                raise ValueError(f"tree={name!r}: no conf/tree/{name}.yaml; known: {known}.")
+            return load_tree_spec(path)
+        path = resolve_path(name)
+        if not path.is_file():
+            raise FileNotFoundError(f"tree={name!r}: no such tree file.")
+        return load_tree_spec(path)
+    return tree_spec(tree)
+
+
 def spec_depth(spec: TreeSpec) -> int:
     """Deepest draft token the tree can hold."""
     if isinstance(spec, DynamicTreeConfig):
@@ -172,6 +198,7 @@ __all__ = [
     "TreeSpec",
     "grow_dynamic_tree",
     "load_tree_spec",
+    "resolve_tree",
     "select_dynamic_tree",
     "spec_depth",
     "spec_nodes",

@@ -37,6 +37,7 @@ class GenerationResult:
     accept_lengths: list[int] = field(default_factory=list)
     seconds: float = 0.0
     stop_reason: str = ""  # "eos" | "max_new_tokens" | "context"
+    draft_seconds: float = 0.0  # of `seconds`, the time the proposer took (drafting)
 
     @property
     def tau(self) -> float:
@@ -139,6 +140,7 @@ class SpeculativeGenerator:
         kv_cache.check_attention(model)
         self.model, self.proposer, self.verifier = model, proposer, verifier
         self.eos_token_id, self.max_context = eos_token_id, max_context
+        self.draft_seconds = 0.0  # proposer time since the last `generate` started
 
     @torch.inference_mode()
     def generate(self, input_ids: Tensor, max_new_tokens: int) -> GenerationResult:
@@ -152,16 +154,26 @@ class SpeculativeGenerator:
         state, first = _prefill(self.model, cache, input_ids, self.verifier, layers)
         out.extend(first)
         forwards, accepts = 1, []
+        self.draft_seconds = 0.0
         while not out.done:
             state, emitted = self.step(cache, state, max_context)
             forwards += 1
             accepts.append(len(emitted))
             out.extend(emitted)
-        return _result(input_ids, out, forwards, accepts, t0)
+        result = _result(input_ids, out, forwards, accepts, t0)
+        result.draft_seconds = self.draft_seconds
+        return result
 
     def step(self, cache, state: DecodeState, max_context: int) -> tuple[DecodeState, list[int]]:
-        """Propose a tree, verify it in one target forward, commit the accepted path."""
+        """Propose a tree, verify it in one target forward, commit the accepted path.
+
+        The proposer's wall time is added to `self.draft_seconds` (what drafting costs per step,
+        against the verify forward, is what decides the speedup)."""
+        t0 = time.perf_counter()
         draft = self.proposer.propose(state)
+        if draft.tokens.device.type == "cuda":
+            torch.cuda.synchronize(draft.tokens.device)
+        self.draft_seconds += time.perf_counter() - t0
         draft = draft.truncated(max_context - 1 - state.position)  # deepest node fits the context
         layers = getattr(self.proposer, "feature_layers", None)
         out = kv_cache.tree_forward_features(

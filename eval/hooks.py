@@ -16,10 +16,9 @@ from torch import Tensor
 
 from data.paths import resolve_path
 from eval.bench import encode_chat
-from eval.dynamic_tree import DynamicTreeConfig, load_tree_spec, tree_spec
+from eval.dynamic_tree import DynamicTreeConfig, resolve_tree
 from eval.generator import SpeculativeGenerator
 from eval.methods import eos_token_ids, make_proposer
-from eval.tree import chain_paths
 from eval.verify import GreedyVerifier
 
 
@@ -27,7 +26,7 @@ class TauEvaluator:
     """`evaluator(head, target) -> {"tau": float, "tau_per_request": float}`.
 
     prompts_path: a prompt JSONL (data.read_prompts); the first `limit` questions' first turns.
-    tree: a conf/tree/*.yaml file (static paths, or conf/tree/dynamic.yaml), a list of paths
+    tree: a conf/tree option name (`tree16`, `dynamic`) or *.yaml file, a list of paths
           (e.g. [[0], [0, 0]]), an int d for a chain of d top-1 tokens (e.g. `tree:
           ${head.num_heads}` in a Hydra config), or an EAGLE-2 dynamic tree (a DynamicTreeConfig
           or a mapping {depth, top_k, total_tokens}; EAGLE and EAGLE-3 heads only). A Medusa
@@ -53,12 +52,7 @@ class TauEvaluator:
             raise FileNotFoundError(f"TauEvaluator: no prompt file at {prompts_path}.")
         self.turns = [q["turns"][0] for q in read_prompts(str(path))[:limit]]
         self.max_new_tokens, self.chat_template = max_new_tokens, chat_template
-        if isinstance(tree, int):
-            self.tree = tree_spec(chain_paths(tree))
-        elif isinstance(tree, (str, Path)):
-            self.tree = load_tree_spec(resolve_path(tree))
-        else:
-            self.tree = tree_spec(tree)
+        self.tree = resolve_tree(tree)
         # the static paths (None for a dynamic tree)
         self.tree_paths = None if isinstance(self.tree, DynamicTreeConfig) else self.tree
         self._encoded: tuple[object, list[Tensor]] | None = None  # (tokenizer, prompts)

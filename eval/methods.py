@@ -55,6 +55,7 @@ class Record:
     tokens: the new token ids. target_forwards: every target forward, the prefill included.
     prefill_tokens: tokens the first forward emitted (1, or more when it also verified a draft).
     accept_lengths: tokens each later forward emitted (accepted draft tokens + the bonus token).
+    seconds: wall time of the request; draft_seconds: the part of it the proposer took.
     """
 
     tokens: list[int]
@@ -62,6 +63,7 @@ class Record:
     prefill_tokens: int
     accept_lengths: list[int]
     seconds: float
+    draft_seconds: float = 0.0  # of `seconds`, time spent drafting (speculative methods)
 
 
 class Method(Protocol):
@@ -84,6 +86,7 @@ def _from_result(result: GenerationResult, seconds: float) -> Record:
         min(1, len(tokens)),
         list(result.accept_lengths),
         seconds,
+        result.draft_seconds,
     )
 
 
@@ -217,6 +220,22 @@ def make_proposer(head, tree: TreeSpec) -> Proposer:
     return PROPOSERS[method](head, build_tree(tree))
 
 
+def head_method(
+    target,
+    name: str,
+    head,
+    tree: TreeSpec,
+    verifier: Verifier | None = None,
+    max_context: int | None = None,
+) -> SpeculativeMethod:
+    """A draft head decoding over `tree` (static paths or an EAGLE-2 DynamicTreeConfig)."""
+    proposer = make_proposer(head, tree)
+    generator = SpeculativeGenerator(
+        target.model, proposer, verifier or GreedyVerifier(), eos_token_ids(target), max_context
+    )
+    return SpeculativeMethod(name, generator, spec_depth(tree_spec(tree)))
+
+
 def build_methods(
     target,
     names: Sequence[str],
@@ -246,9 +265,7 @@ def build_methods(
         elif name == "head":
             if head is None or not tree:
                 raise ValueError("method 'head' needs a trained head (head_path=...) and a tree.")
-            proposer = make_proposer(head, tree)
-            generator = SpeculativeGenerator(model, proposer, verifier, eos, max_context)
-            methods.append(SpeculativeMethod(name, generator, spec_depth(tree_spec(tree))))
+            methods.append(head_method(target, name, head, tree, verifier, max_context))
         else:
             raise ValueError(f"unknown method {name!r}: use {list(BASELINES) + ['head']}.")
     if len({m.name for m in methods}) != len(methods):

@@ -26,6 +26,12 @@ DEFINITIONS = {
     "(greedy) over the same requests in the same run.",
     "accept_rate_by_depth": "entry d-1: fraction of decode steps that accepted at least d draft "
     "tokens (accept length - 1 >= d), d = 1..max draft depth.",
+    "draft_ms_per_step": "wall-clock milliseconds the proposer took per decode step (building "
+    "the draft tree: head forwards, top-k, tree buffers), pooled over requests; 0 for methods "
+    "that do not draft through a head.",
+    "target_ms_per_forward": "the rest of the wall time (target forwards, verification, cache "
+    "bookkeeping) divided by the number of target forwards, prefill included. Against "
+    "`plain`'s value it shows what verifying a whole tree costs over one token.",
     "greedy_mismatches": "requests whose new tokens differ from HF `generate`'s greedy output, "
     "token for token (zero for a lossless greedy method).",
     "near_tie_mismatches": "mismatches whose first differing token sits where the target's top-1 "
@@ -46,6 +52,8 @@ def group_metrics(rows: Sequence[dict], depth: int) -> dict:
     steps = [a for r in rows for a in r["accept_lengths"]]
     new_tokens = sum(r["new_tokens"] for r in rows)
     seconds = sum(r["seconds"] for r in rows)
+    draft_seconds = sum(r.get("draft_seconds", 0.0) for r in rows)
+    forwards = sum(r["target_forwards"] for r in rows)
     mismatches = [
         {k: r[k] for k in ("question_id", "turn", "first_mismatch", "top2_gap", "near_tie")}
         for r in rows
@@ -55,9 +63,12 @@ def group_metrics(rows: Sequence[dict], depth: int) -> dict:
         "requests": len(rows),
         "new_tokens": new_tokens,
         "decode_tokens": sum(decode_tokens),
-        "target_forwards": sum(r["target_forwards"] for r in rows),
+        "target_forwards": forwards,
         "decode_forwards": sum(decode_forwards),
         "seconds": seconds,
+        "draft_seconds": draft_seconds,
+        "draft_ms_per_step": _ratio(1000 * draft_seconds, sum(decode_forwards)),
+        "target_ms_per_forward": _ratio(1000 * (seconds - draft_seconds), forwards),
         "tau": _ratio(sum(decode_tokens), sum(decode_forwards)),
         "tau_per_request": _ratio(sum(per_request), len(per_request)),
         "tokens_per_s": _ratio(new_tokens, seconds),
@@ -136,6 +147,8 @@ def _row_cells(label: str, m: dict, depth: int) -> list[str]:
         _fmt(m["tokens_per_s"], 1),
         _fmt(m["speedup_vs_plain"]),
         _fmt(m["speedup_vs_hf_generate"]),
+        _fmt(m.get("draft_ms_per_step"), 1),
+        _fmt(m.get("target_ms_per_forward"), 1),
         mism,
     ]
     rates = m["accept_rate_by_depth"]
@@ -156,6 +169,8 @@ HEADER = [
     "tokens/s",
     "speedup vs plain",
     "speedup vs HF generate",
+    "draft ms/step",
+    "target ms/forward",
     "greedy mismatches (near ties)",
 ]
 
@@ -175,6 +190,7 @@ def render_markdown(summary: dict, plots: Sequence[str]) -> str:
         "verifier",
         "head_path",
         "head_method",
+        "heads",
         "versions",
     ):
         if key in meta:

@@ -265,3 +265,79 @@ def test_evaluate_config_runs_end_to_end(tmp_path):
     assert summary["methods"]["head"]["overall"]["greedy_mismatches"] == 0
     assert summary["meta"]["head_method"] == "medusa"
     assert (tmp_path / "out" / "report.md").is_file()
+
+
+@pytest.mark.integration
+def test_several_heads_in_one_run(tmp_path):
+    """evaluate.yaml `heads:`: Medusa (static) and one EAGLE folder twice (static and dynamic),
+    each its own lossless method with its own tree; drafting time is measured apart."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from eval.bench import run
+    from heads.eagle import EagleConfig, EagleHead
+    from heads.target import load_target
+
+    prompts = write_prompts(tmp_path / "p.jsonl")
+    overrides = [
+        "model=tiny_random_llama",
+        "bench=jsonl",
+        f"bench.path={prompts}",
+        "bench.max_new_tokens=8",
+        "methods=[plain,hf_generate]",
+        f"out_dir={tmp_path / 'out'}",
+        "threads=1",
+        f"+heads.medusa={{path: {tmp_path / 'medusa'}, tree: {{paths: [[0], [1], [0, 0]]}}}}",
+        f"+heads.eagle1={{path: {tmp_path / 'eagle'}, tree: chain}}",
+        f"+heads.eagle2={{path: {tmp_path / 'eagle'}, tree: dynamic}}",
+    ]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("evaluate", overrides=overrides)
+    target = load_target(instantiate(cfg.model, _convert_="all"))
+    medusa(target).save_pretrained(tmp_path / "medusa")
+    torch.manual_seed(0)
+    EagleHead.for_target(EagleConfig(), target).save_pretrained(tmp_path / "eagle")
+    summary = run(cfg)
+    methods = summary["methods"]
+    assert list(methods) == ["plain", "hf_generate", "medusa", "eagle1", "eagle2"]
+    heads = summary["meta"]["heads"]
+    assert {n: h["method"] for n, h in heads.items()} == {
+        "medusa": "medusa",
+        "eagle1": "eagle",
+        "eagle2": "eagle",
+    }
+    assert heads["eagle2"]["tree_nodes"] == 60 and heads["eagle1"]["tree"] == "chain"
+    assert methods["eagle2"]["max_draft_depth"] == 6
+    for name in ("medusa", "eagle1", "eagle2"):
+        overall = methods[name]["overall"]
+        assert overall["greedy_mismatches"] == 0, name
+        assert overall["draft_ms_per_step"] > 0, name
+        assert 0 < overall["draft_seconds"] < overall["seconds"]
+    assert methods["plain"]["overall"]["draft_ms_per_step"] == 0
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "draft ms/step" in report and "eagle2" in report
+
+
+def test_head_entries_are_checked():
+    from eval.bench import _head_entry
+
+    assert _head_entry("a", "DIR", set()) == {"path": "DIR", "tree": "tree16"}
+    with pytest.raises(ValueError, match="already a method"):
+        _head_entry("plain", {"path": "DIR"}, set())
+    with pytest.raises(ValueError, match="unknown keys"):
+        _head_entry("a", {"path": "DIR", "trees": "x"}, set())
+    with pytest.raises(ValueError, match="path"):
+        _head_entry("a", {"tree": "dynamic"}, set())
+
+
+def test_resolve_tree_names_and_errors(tmp_path):
+    from eval.dynamic_tree import DynamicTreeConfig, resolve_tree
+
+    assert resolve_tree(2) == [[0], [0, 0]]
+    assert isinstance(resolve_tree("dynamic"), DynamicTreeConfig)
+    assert len(resolve_tree("tree16")) == 15
+    assert resolve_tree({"paths": [[0]]}) == [[0]]
+    with pytest.raises(ValueError, match="known"):
+        resolve_tree("tree17")
+    with pytest.raises(FileNotFoundError):
+        resolve_tree(str(tmp_path / "none.yaml"))
