@@ -49,6 +49,9 @@ class BenchConfig:
 
     limit: keep the first N questions (after the category filter); null: all.
     categories: keep only questions of these categories; null: all.
+    per_category: keep the first N questions of each category (before `limit`); null: all.
+        `bench=spec_bench bench.per_category=5` covers every Spec-Bench category, the first 5
+        MT-bench questions of each of its 8 categories included.
     warmup: run the first N questions' first turn through every method, untimed, before timing.
     """
 
@@ -56,6 +59,7 @@ class BenchConfig:
     path: str = "???"
     limit: int | None = None
     categories: list[str] | None = None
+    per_category: int | None = None
     max_new_tokens: int = 128
     warmup: int = 1
 
@@ -66,6 +70,10 @@ class BenchConfig:
             )
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"bench.limit={self.limit}: use a positive count, or null for all.")
+        if self.per_category is not None and self.per_category < 1:
+            raise ValueError(
+                f"bench.per_category={self.per_category}: use a positive count, or null for all."
+            )
         if self.max_new_tokens < 1:
             raise ValueError(f"bench.max_new_tokens={self.max_new_tokens}: need at least 1.")
         if self.warmup < 0:
@@ -84,6 +92,14 @@ def load_bench_prompts(cfg: BenchConfig) -> list[dict]:
         prompts = [p for p in prompts if p["category"] in set(cfg.categories)]
         if not prompts:
             raise ValueError(f"{path}: no question of categories {cfg.categories}.")
+    if cfg.per_category:
+        seen: dict[str, int] = {}
+        kept = []
+        for p in prompts:
+            seen[p["category"]] = seen.get(p["category"], 0) + 1
+            if seen[p["category"]] <= cfg.per_category:
+                kept.append(p)
+        prompts = kept
     return prompts[: cfg.limit] if cfg.limit else prompts
 
 

@@ -341,3 +341,23 @@ def test_resolve_tree_names_and_errors(tmp_path):
         resolve_tree("tree17")
     with pytest.raises(FileNotFoundError):
         resolve_tree(str(tmp_path / "none.yaml"))
+
+
+def test_per_category_keeps_the_first_questions_of_each(tmp_path):
+    from collections import Counter
+
+    from eval.bench import load_bench_prompts
+
+    spec = BenchConfig(path="data/corpora/spec_bench/question.jsonl", per_category=2)
+    prompts = load_bench_prompts(spec)
+    counts = Counter(p["category"] for p in prompts)
+    assert len(counts) == 13 and set(counts.values()) == {2}
+    mt = load_bench_prompts(BenchConfig(path="data/corpora/mt_bench/question.jsonl"))
+    firsts = {}
+    for q in mt:
+        firsts.setdefault(q["category"], q["turns"])
+    assert all(firsts[p["category"]] == p["turns"] for p in prompts[::2] if p["category"] in firsts)
+    only = BenchConfig(path=spec.path, per_category=1, categories=["rag", "qa"], limit=1)
+    assert [p["category"] for p in load_bench_prompts(only)] == ["qa"]
+    with pytest.raises(ValueError, match="per_category"):
+        BenchConfig(path=spec.path, per_category=0)
