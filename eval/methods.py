@@ -25,6 +25,7 @@ from eval.generator import GenerationResult, SpeculativeGenerator, plain_decode
 from eval.proposers import MedusaProposer, Proposer
 from eval.tree import TreeBuffers, build_tree
 from eval.verify import GreedyVerifier, Verifier
+from heads.target import NEUTRAL_PROCESSORS, eos_token_ids
 
 BASELINES = ("plain", "hf_generate", "hf_prompt_lookup")
 # head.method -> proposer(head, tree): a static tree (TreeBuffers) or, for the methods in
@@ -35,17 +36,6 @@ PROPOSERS: dict[str, Callable[[Any, TreeBuffers | DynamicTreeConfig], Proposer]]
     "eagle3": EagleProposer,
 }
 DYNAMIC_TREE_METHODS = ("eagle", "eagle3")
-NEUTRAL_PROCESSORS = {
-    "temperature": 1.0,
-    "top_k": 50,
-    "top_p": 1.0,
-    "typical_p": 1.0,
-    "repetition_penalty": 1.0,
-    "encoder_repetition_penalty": 1.0,
-    "no_repeat_ngram_size": 0,
-    "epsilon_cutoff": 0.0,
-    "eta_cutoff": 0.0,
-}
 
 
 @dataclass
@@ -188,19 +178,6 @@ class HFGenerateMethod:
         emitted = [b - a for a, b in zip(lengths, ends)]
         emitted[0] += 1 - prompt_len
         return Record(tokens, len(lengths), emitted[0], emitted[1:], seconds)
-
-
-def eos_token_ids(target) -> list[int]:
-    """Every id that ends an answer: the tokenizer's EOS and the model's generation config's."""
-    ids: set[int] = set()
-    tok_eos = getattr(target.tokenizer, "eos_token_id", None)
-    gen = getattr(target.model, "generation_config", None)
-    for value in (tok_eos, getattr(gen, "eos_token_id", None)):
-        if isinstance(value, int):
-            ids.add(value)
-        elif value is not None:
-            ids.update(int(v) for v in value)
-    return sorted(ids)
 
 
 def make_proposer(head, tree: TreeSpec) -> Proposer:

@@ -1,0 +1,426 @@
+"""Self-distillation: regenerate the assistant turns of a prompt set with the target itself.
+
+A draft head is scored on how often it guesses what the *target* would say, so the best training
+text is the target's own output. `distill` takes prompts (anything `data.read_prompts` reads:
+MT-bench style `turns`, `prompt`, Alpaca `instruction`, or the user turns of ShareGPT / OpenAI
+conversations) and writes a conversations JSONL (OpenAI `messages`) in which every assistant
+turn is the target's answer to the conversation so far: multi-turn prompts replay their user
+turns and regenerate each answer in turn.
+
+Each work item is (prompt, sample index); its key `SOURCE/PROMPT_ID/SAMPLE` is unique and is
+what resume counts on:
+
+- rows are appended one batch at a time and fsynced, so a killed run loses at most the batch in
+  flight; a half-written last line is cut off on restart;
+- a restart reads the keys already written (the output and any per-rank part files) and skips
+  them, so nothing is generated twice;
+- under `accelerate launch` rank r takes every W-th item and writes `OUT.rank{r}.jsonl`; when all
+  ranks are done rank 0 merges the parts into OUT (dropping duplicate keys) and removes them.
+  A restart may use another number of processes.
+- prompts whose rendered conversation exceeds `max_prompt_tokens` at some turn keep the turns
+  before it; if that leaves no answer, the key goes to `OUT.skipped.jsonl` with the reason.
+
+The settings and the target's fingerprint live in `OUT.meta.json`; a restart with other settings
+or another target is refused (mixing them would silently blend two datasets).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from data.chat import resolve_chat_template
+from data.formats import DataFormatError, read_prompts
+from data.paths import resolve_path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DistillConfig:
+    """How to regenerate.
+
+    prompts: prompt files (or hub datasets) for `data.read_prompts`.
+    out: the conversations JSONL to write (OUT.meta.json and, while running, part files beside).
+    temperature: 0 for greedy decoding; > 0 samples (with top_p).
+    num_samples: answers per prompt (each its own conversation); with greedy decoding only 1
+        makes sense and more are refused.
+    max_rows: use the first N prompts of each source (null: all).
+    max_prompt_tokens: a turn whose rendered prompt is longer is not generated (see module doc).
+    """
+
+    prompts: list[str] = field(default_factory=list)
+    out: str = "???"
+    max_new_tokens: int = 256
+    batch_size: int = 8
+    temperature: float = 0.0
+    top_p: float = 1.0
+    num_samples: int = 1
+    max_rows: int | None = None
+    max_prompt_tokens: int = 1536
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.out in ("", "???"):
+            raise ValueError("distill.out is required: the conversations JSONL to write.")
+        if not self.prompts:
+            raise ValueError("distill.prompts is empty: give at least one prompt file.")
+        if self.temperature < 0:
+            raise ValueError(f"distill.temperature={self.temperature}: use 0 (greedy) or > 0.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"distill.top_p={self.top_p}: use a value in (0, 1].")
+        if self.num_samples < 1:
+            raise ValueError(f"distill.num_samples={self.num_samples}: need at least 1.")
+        if self.num_samples > 1 and self.temperature == 0:
+            raise ValueError(
+                f"distill.num_samples={self.num_samples} with greedy decoding would write the "
+                "same answer several times: set distill.temperature > 0 (e.g. 0.7) or use 1."
+            )
+        for name in ("max_new_tokens", "batch_size", "max_prompt_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"distill.{name}={getattr(self, name)}: need at least 1.")
+
+    def settings(self) -> dict:
+        """What decides the output text (recorded in OUT.meta.json and checked on resume)."""
+        keep = ("max_new_tokens", "temperature", "top_p", "num_samples", "max_prompt_tokens")
+        return {k: getattr(self, k) for k in keep} | {"seed": self.seed}
+
+
+@dataclass
+class WorkItem:
+    key: str
+    source: str
+    prompt_id: str
+    sample: int
+    turns: list[str]
+
+
+def work_items(cfg: DistillConfig) -> list[WorkItem]:
+    """Every (prompt, sample) of every source, in a fixed order."""
+    items, seen = [], set()
+    for source in cfg.prompts:
+        path = resolve_path(source)
+        prompts = read_prompts(str(path) if path.exists() else source)
+        name = Path(source).stem if path.exists() else source
+        if name == "question" or name in seen:  # e.g. data/corpora/X/question.jsonl
+            name = f"{Path(source).parent.name}_{name}"
+        seen.add(name)
+        for prompt in prompts[: cfg.max_rows] if cfg.max_rows else prompts:
+            for sample in range(cfg.num_samples):
+                key = f"{name}/{prompt['id']}/{sample}"
+                items.append(WorkItem(key, name, str(prompt["id"]), sample, prompt["turns"]))
+    keys = [item.key for item in items]
+    if len(set(keys)) != len(keys):
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise DataFormatError(f"prompt id {dup!r} occurs twice in one source; ids must be unique.")
+    return items
+
+
+# ---- files -----------------------------------------------------------------------------------
+
+
+def part_path(out: Path, rank: int) -> Path:
+    return out.with_name(f"{out.name}.rank{rank}.jsonl")
+
+
+def skipped_path(out: Path) -> Path:
+    return out.with_name(f"{out.name}.skipped.jsonl")
+
+
+def meta_path(out: Path) -> Path:
+    return out.with_name(f"{out.name}.meta.json")
+
+
+def _files(out: Path) -> list[Path]:
+    parts = sorted(out.parent.glob(f"{out.name}.rank*.jsonl"))
+    return [p for p in (out, *parts, skipped_path(out)) if p.is_file()]
+
+
+def repair_tail(path: Path) -> int:
+    """Cut a half-written last line (a run killed mid-write); returns the bytes removed."""
+    if not path.is_file():
+        return 0
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end == len(data):
+        return 0
+    with open(path, "r+b") as f:
+        f.truncate(end)
+    log.warning("%s: removed a half-written last line (%d bytes)", path, len(data) - end)
+    return len(data) - end
+
+
+def read_rows(path: Path) -> Iterator[dict]:
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DataFormatError(
+                        f"{path}:{number}: not JSON ({err.msg}); the file was edited or "
+                        "corrupted: remove that line and run again to regenerate it"
+                    ) from None
+
+
+def done_keys(out: Path) -> set[str]:
+    """Keys already written (output, part files, skipped list)."""
+    keys: set[str] = set()
+    for path in _files(out):
+        keys.update(row["id"] for row in read_rows(path))
+    return keys
+
+
+def _append(path: Path, rows: Sequence[dict]) -> None:
+    if not rows:
+        return
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def merge_parts(out: Path) -> int:
+    """Move the per-rank part files' rows into OUT (each key once); returns rows moved."""
+    repair_tail(out)
+    have = {row["id"] for row in read_rows(out)} if out.is_file() else set()
+    moved = 0
+    for part in sorted(out.parent.glob(f"{out.name}.rank*.jsonl")):
+        repair_tail(part)
+        rows = [row for row in read_rows(part) if row["id"] not in have]
+        _append(out, rows)
+        have.update(row["id"] for row in rows)
+        moved += len(rows)
+        part.unlink()
+    return moved
+
+
+def check_meta(out: Path, meta: dict) -> None:
+    """Write OUT.meta.json, or refuse to continue a file made with other settings / target."""
+    path = meta_path(out)
+    if path.is_file():
+        old = json.loads(path.read_text())
+        for key in ("target_fingerprint", "settings", "chat_template_sha1"):
+            if old.get(key) != meta[key]:
+                raise ValueError(
+                    f"{out} was generated with {key}={old.get(key)!r}, this run has "
+                    f"{meta[key]!r}. Continue with the same settings, or write to a new "
+                    "distill.out (or delete the old output and its .meta.json)."
+                )
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+# ---- generation ------------------------------------------------------------------------------
+
+
+class _Generator:
+    """Batched `generate` with left padding, one turn of several conversations at a time."""
+
+    def __init__(self, target, cfg: DistillConfig, template: str, eos_ids: list[int]):
+        from transformers import GenerationConfig
+
+        from heads.target import NEUTRAL_PROCESSORS
+
+        self.model, self.tok = target.model, target.tokenizer
+        self.cfg, self.template = cfg, template
+        self.eos = set(eos_ids)
+        pad = self.tok.pad_token_id
+        self.pad = pad if pad is not None else eos_ids[0]
+        sampling = {"do_sample": cfg.temperature > 0}
+        if cfg.temperature > 0:
+            sampling |= {"temperature": cfg.temperature, "top_p": cfg.top_p}
+        self.config = GenerationConfig(
+            max_new_tokens=cfg.max_new_tokens,
+            min_length=0,
+            num_beams=1,
+            **(NEUTRAL_PROCESSORS | sampling),
+            eos_token_id=eos_ids,
+            pad_token_id=self.pad,
+        )
+
+    def encode(self, history: list[dict]) -> list[int]:
+        text = self.tok.apply_chat_template(
+            history, tokenize=False, add_generation_prompt=True, chat_template=self.template
+        )
+        return self.tok(text, add_special_tokens=False).input_ids
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], seed: int) -> list[tuple[list[int], str]]:
+        """(answer ids without EOS, "eos" | "length") for each prompt."""
+        width = max(map(len, prompts))
+        device = self.model.device
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: every row ends where generation starts
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        torch.manual_seed(seed)
+        out = self.model.generate(
+            ids.to(device), attention_mask=mask.to(device), generation_config=self.config
+        )
+        answers = []
+        for row in out[:, width:].tolist():
+            cut = next((j for j, t in enumerate(row) if t in self.eos), None)
+            answers.append((row, "length") if cut is None else (row[:cut], "eos"))
+        return answers
+
+
+def _seed(base: int, keys: Sequence[str], turn: int) -> int:
+    digest = hashlib.sha1(f"{base}|{turn}|{'|'.join(keys)}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+def distill(
+    target,
+    cfg: DistillConfig,
+    rank: int = 0,
+    world_size: int = 1,
+    chat_template: str | None = None,
+    barrier=None,
+    progress: bool = True,
+) -> dict:
+    """Generate every missing row; returns counts and throughput of this process.
+
+    barrier: called when this rank is done, before rank 0 merges the part files (accelerate's
+    `wait_for_everyone`); not needed with one process.
+    """
+    from heads.target import eos_token_ids
+
+    out = resolve_path(cfg.out) if not Path(cfg.out).is_absolute() else Path(cfg.out)
+    template = resolve_chat_template(target.tokenizer, chat_template)
+    meta = {
+        "target": target.name_or_path,
+        "target_fingerprint": target.fingerprint,
+        "chat_template_sha1": hashlib.sha1(template.encode()).hexdigest(),
+        "settings": cfg.settings(),
+        "prompts": list(cfg.prompts),
+        "max_rows": cfg.max_rows,
+    }
+    if rank == 0:
+        check_meta(out, meta)
+    if barrier is not None:
+        barrier()
+    if rank != 0:
+        check_meta(out, meta)
+    mine_path = out if world_size == 1 else part_path(out, rank)
+    for path in {mine_path, skipped_path(out)}:
+        repair_tail(path)
+    done = done_keys(out)
+    items = work_items(cfg)[rank::world_size]
+    todo = [item for item in items if item.key not in done]
+    log.info(
+        "rank %d: %d items, %d already written, %d to go",
+        rank,
+        len(items),
+        len(items) - len(todo),
+        len(todo),
+    )
+    eos = eos_token_ids(target)
+    if not eos:
+        raise ValueError("the target has no EOS token id: answers would never end.")
+    gen = _Generator(target, cfg, template, eos)
+    stats = {"rows": 0, "skipped": 0, "new_tokens": 0, "seconds": 0.0}
+    bar = _progress(len(todo), progress and rank == 0)
+    t0 = time.perf_counter()
+    for start in range(0, len(todo), cfg.batch_size):
+        batch = todo[start : start + cfg.batch_size]
+        rows, skipped, tokens = _run_batch(gen, batch, cfg, meta)
+        _append(mine_path, rows)
+        _append(skipped_path(out), skipped)
+        stats["rows"] += len(rows)
+        stats["skipped"] += len(skipped)
+        stats["new_tokens"] += tokens
+        stats["seconds"] = time.perf_counter() - t0
+        if bar is not None:
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{stats['new_tokens'] / stats['seconds']:.0f}")
+    if bar is not None:
+        bar.close()
+    stats["tokens_per_s"] = stats["new_tokens"] / stats["seconds"] if stats["seconds"] else 0.0
+    if barrier is not None:
+        barrier()
+    if rank == 0:
+        moved = merge_parts(out)
+        if moved:
+            log.info("merged %d rows from part files into %s", moved, out)
+    return stats
+
+
+def _run_batch(gen: _Generator, batch: list[WorkItem], cfg: DistillConfig, meta: dict):
+    """All turns of a batch of conversations: (rows, skipped rows, new tokens)."""
+    histories: list[list[dict]] = [[] for _ in batch]
+    finish: list[list[str]] = [[] for _ in batch]
+    open_items = set(range(len(batch)))
+    reasons: dict[int, str] = {}
+    tokens = 0
+    for turn in range(max(len(item.turns) for item in batch)):
+        active, prompts = [], []
+        for i in sorted(open_items):
+            if turn >= len(batch[i].turns):
+                continue
+            history = histories[i] + [{"role": "user", "content": batch[i].turns[turn]}]
+            ids = gen.encode(history)
+            if len(ids) > cfg.max_prompt_tokens:
+                open_items.discard(i)  # the conversation ends before this turn
+                reasons[i] = f"turn {turn + 1} prompt has {len(ids)} > max_prompt_tokens tokens"
+                continue
+            histories[i] = history
+            active.append(i)
+            prompts.append(ids)
+        if not active:
+            break
+        answers = gen.generate(prompts, _seed(cfg.seed, [batch[i].key for i in active], turn))
+        for i, (ids, why) in zip(active, answers):
+            text = gen.tok.decode(ids, skip_special_tokens=True)
+            histories[i].append({"role": "assistant", "content": text})
+            finish[i].append(why)
+            tokens += len(ids) + (why == "eos")
+    rows, skipped = [], []
+    for i, item in enumerate(batch):
+        history = histories[i]
+        if not any(m["role"] == "assistant" for m in history):
+            skipped.append({"id": item.key, "reason": reasons.get(i, "no turn generated")})
+            continue
+        rows.append(
+            {
+                "id": item.key,
+                "source": item.source,
+                "prompt_id": item.prompt_id,
+                "sample": item.sample,
+                "messages": history,
+                "finish": finish[i],
+                "target_fingerprint": meta["target_fingerprint"],
+            }
+        )
+    return rows, skipped, tokens
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled or total == 0:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="self-distill", unit="conv")
+
+
+__all__ = [
+    "DistillConfig",
+    "WorkItem",
+    "distill",
+    "done_keys",
+    "merge_parts",
+    "repair_tail",
+    "work_items",
+]

@@ -1,0 +1,200 @@
+"""Self-distillation (data/distill.py): answers, multi-turn replay, resume, ranks, refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from data import read_conversations
+from data.distill import DistillConfig, _Generator, distill, done_keys, repair_tail
+from eval.generator import plain_greedy
+
+ROWS = [
+    {"id": "a", "turns": ["Hi there", "And then?"]},
+    {"id": "b", "prompt": "Name a colour."},
+    {"id": "c", "turns": ["One", "Two", "Three"]},
+    {"id": "d", "instruction": "Add 2 and 2.", "input": "quickly"},
+    {"id": "e", "prompt": "Tell me about cats"},
+]
+
+
+def write_prompts(path: Path, rows=ROWS) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def config(tmp_path: Path, **kw) -> DistillConfig:
+    prompts = kw.pop("prompts", None) or [write_prompts(tmp_path / "prompts.jsonl")]
+    base = {"out": str(tmp_path / "sd.jsonl"), "max_new_tokens": 6, "batch_size": 2}
+    return DistillConfig(prompts=prompts, **(base | kw))
+
+
+def rows_of(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def test_every_turn_is_the_targets_answer(tiny_llama, tmp_path):
+    cfg = config(tmp_path)
+    stats = distill(tiny_llama, cfg, progress=False)
+    rows = rows_of(cfg.out)
+    assert [r["id"] for r in rows] == [f"prompts/{k}/0" for k in "abcde"]
+    assert stats["rows"] == 5 and stats["new_tokens"] > 0 and stats["tokens_per_s"] > 0
+    tok = tiny_llama.tokenizer
+    for row, src in zip(rows, ROWS):
+        users = [m["content"] for m in row["messages"] if m["role"] == "user"]
+        turns = src.get("turns") or [src.get("prompt") or f"{src['instruction']}\n\n{src['input']}"]
+        assert users == turns
+        roles = [m["role"] for m in row["messages"]]
+        assert roles == ["user", "assistant"] * len(turns)
+        assert len(row["finish"]) == len(turns)
+        # batched with left padding == the same conversation decoded alone, turn by turn
+        for t in range(len(turns)):
+            history = row["messages"][: 2 * t + 1]
+            text = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+            ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
+            alone = plain_greedy(tiny_llama.model, ids, 6, eos_token_id=3).new_tokens.tolist()
+            alone = alone[:-1] if alone and alone[-1] == 3 else alone
+            assert row["messages"][2 * t + 1]["content"] == tok.decode(
+                alone, skip_special_tokens=True
+            )
+    meta = json.loads((tmp_path / "sd.jsonl.meta.json").read_text())
+    assert meta["target_fingerprint"] == tiny_llama.fingerprint
+    assert meta["settings"]["max_new_tokens"] == 6 and meta["settings"]["temperature"] == 0
+    # the output is training data as it stands
+    assert len(read_conversations(cfg.out)) == 5
+
+
+def test_eos_cuts_the_answer(tiny_llama, monkeypatch):
+    cfg = DistillConfig(prompts=["x"], out="o.jsonl", max_new_tokens=4)
+    gen = _Generator(tiny_llama, cfg, tiny_llama.tokenizer.chat_template, [3])
+    prompt = [[5, 6, 7], [8, 9]]
+
+    def fake_generate(ids, attention_mask, generation_config):
+        assert ids[1, 0] == gen.pad and attention_mask[1].tolist() == [0, 1, 1]  # left padding
+        new = torch.tensor([[10, 3, 11, 12], [13, 14, 15, 16]])
+        return torch.cat([ids, new], dim=1)
+
+    monkeypatch.setattr(tiny_llama.model, "generate", fake_generate)
+    assert gen.generate(prompt, seed=0) == [([10], "eos"), ([13, 14, 15, 16], "length")]
+
+
+def test_a_killed_run_resumes_without_loss_or_duplicates(tiny_llama, tmp_path, monkeypatch):
+    (tmp_path / "whole").mkdir()
+    whole = config(tmp_path / "whole")
+    distill(tiny_llama, whole, progress=False)
+    expected = {r["id"]: r["messages"] for r in rows_of(whole.out)}
+
+    cfg = config(tmp_path)
+    calls = {"n": 0}
+    real = _Generator.generate
+
+    def dies_on_the_fourth_call(self, prompts, seed):
+        calls["n"] += 1
+        if calls["n"] == 4:  # mid-way through the second batch (its second turn)
+            raise KeyboardInterrupt
+        return real(self, prompts, seed)
+
+    monkeypatch.setattr(_Generator, "generate", dies_on_the_fourth_call)
+    with pytest.raises(KeyboardInterrupt):
+        distill(tiny_llama, cfg, progress=False)
+    monkeypatch.setattr(_Generator, "generate", real)
+    first = rows_of(cfg.out)
+    assert [r["id"] for r in first] == ["prompts/a/0", "prompts/b/0"]  # the first batch only
+    with open(cfg.out, "a") as f:  # and a kill in the middle of writing a line
+        f.write('{"id": "prompts/c/0", "messa')
+    stats = distill(tiny_llama, cfg, progress=False)
+    assert stats["rows"] == 3
+    rows = rows_of(cfg.out)
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)) == 5
+    assert {r["id"]: r["messages"] for r in rows} == expected  # greedy: the same text
+    assert distill(tiny_llama, cfg, progress=False)["rows"] == 0  # nothing left to do
+
+
+def test_other_settings_or_target_are_refused(tiny_llama, tiny_qwen2, tmp_path):
+    distill(tiny_llama, config(tmp_path), progress=False)
+    with pytest.raises(ValueError, match="max_new_tokens.*new distill.out"):
+        distill(tiny_llama, config(tmp_path, max_new_tokens=7), progress=False)
+    with pytest.raises(ValueError, match="target_fingerprint"):
+        distill(tiny_qwen2, config(tmp_path), progress=False)
+
+
+def test_ranks_write_parts_that_rank0_merges(tiny_llama, tmp_path):
+    cfg = config(tmp_path)
+    one = distill(tiny_llama, cfg, rank=1, world_size=2, progress=False)
+    part = tmp_path / "sd.jsonl.rank1.jsonl"
+    assert one["rows"] == 2 and len(rows_of(part)) == 2  # items 1 and 3 of 5
+    zero = distill(tiny_llama, cfg, rank=0, world_size=2, progress=False)
+    assert zero["rows"] == 3 and not part.exists()
+    ids = sorted(r["id"] for r in rows_of(cfg.out))
+    assert ids == sorted(f"prompts/{k}/0" for k in "abcde")
+    assert distill(tiny_llama, cfg, progress=False)["rows"] == 0  # another world size: done
+
+
+def test_long_prompts_end_the_conversation_or_are_skipped(tiny_llama, tmp_path):
+    rows = [{"id": "short", "turns": ["Hi", "x" * 300]}, {"id": "long", "prompt": "y" * 400}]
+    cfg = config(tmp_path, prompts=[write_prompts(tmp_path / "p.jsonl", rows)])
+    cfg.max_prompt_tokens = 200
+    stats = distill(tiny_llama, cfg, progress=False)
+    assert stats["rows"] == 1 and stats["skipped"] == 1
+    (row,) = rows_of(cfg.out)
+    assert row["id"] == "p/short/0" and len(row["messages"]) == 2  # the 2nd turn did not fit
+    (skip,) = rows_of(tmp_path / "sd.jsonl.skipped.jsonl")
+    assert skip["id"] == "p/long/0" and "max_prompt_tokens" in skip["reason"]
+    assert done_keys(Path(cfg.out)) == {"p/short/0", "p/long/0"}  # a rerun skips both
+
+
+def test_sampling_writes_several_answers_per_prompt(tiny_llama, tmp_path):
+    cfg = config(tmp_path, temperature=1.0, num_samples=2, max_rows=2, max_new_tokens=8)
+    distill(tiny_llama, cfg, progress=False)
+    rows = rows_of(cfg.out)
+    assert [r["id"] for r in rows] == ["prompts/a/0", "prompts/a/1", "prompts/b/0", "prompts/b/1"]
+    answers = [r["messages"][1]["content"] for r in rows]
+    assert answers[0] != answers[1] or answers[2] != answers[3]  # samples differ
+    with pytest.raises(ValueError, match="temperature"):
+        DistillConfig(prompts=["p"], out="o", num_samples=2)
+
+
+def test_repair_tail(tmp_path):
+    path = tmp_path / "f.jsonl"
+    path.write_text('{"id": 1}\n{"id": 2}\n{"id"')
+    assert repair_tail(path) == 5
+    assert path.read_text() == '{"id": 1}\n{"id": 2}\n'
+    assert repair_tail(path) == 0
+
+
+def test_accelerate_launch_two_processes_then_resume(tmp_path):
+    """scripts/self_distill.py under `accelerate launch` with 2 CPU processes (tiny random Llama
+    with SmolLM2's tokenizer): every prompt once, parts merged; a rerun finds nothing to do."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_multiprocess import REPO, free_port
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    out = tmp_path / "sd.jsonl"
+    args = ["scripts/self_distill.py", "model=tiny_random_llama", f"distill.prompts=[{prompts}]",
+            f"distill.out={out}", "distill.max_new_tokens=4", "distill.batch_size=2",
+            f"hydra.run.dir={tmp_path / 'hydra'}"]  # fmt: skip
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO)}  # fmt: skip
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+              "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+              "--dynamo_backend", "no", "--main_process_port", str(free_port())]  # fmt: skip
+    proc = subprocess.run(
+        [*launch, *args], env=env, capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    ids = [r["id"] for r in rows_of(out)]
+    assert sorted(ids) == sorted(f"prompts/{k}/0" for k in "abcde")
+    assert not list(tmp_path.glob("sd.jsonl.rank*"))
+    proc = subprocess.run(
+        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "0 to go" in proc.stderr + proc.stdout
+    assert [r["id"] for r in rows_of(out)] == ids
