@@ -28,6 +28,7 @@ from data.dataset import (
     load_conversations,
     split_examples,
 )
+from data.feature_cache import default_cache_dir, examples_sha1, open_or_build_feature_cache
 from data.features import LazyFeatureDataset
 from data.paths import resolve_path
 from heads.target import Target, load_target
@@ -69,16 +70,58 @@ def prepare_data(data_cfg: DictConfig, target: Target) -> PreparedData:
 
 def feature_datasets(data: PreparedData, target: Target, layers, data_cfg: DictConfig):
     """Train/val datasets with target features: "memory" computes each example's features the
-    first time it is read and keeps them for every later epoch; "online" recomputes per batch."""
+    first time it is read and keeps them for every later epoch; "disk" reads them from a
+    sharded on-disk cache, built first where missing; "online" recomputes per batch."""
     if data_cfg.features == "online":
         return ExampleDataset(data.train), ExampleDataset(data.val)
+    if data_cfg.features == "disk":
+        return disk_feature_datasets(data, target, layers, data_cfg)
     if data_cfg.features != "memory":
-        raise ValueError(f"data.features={data_cfg.features!r}: use 'memory' or 'online'.")
+        raise ValueError(f"data.features={data_cfg.features!r}: use 'memory', 'disk' or 'online'.")
+    if data_cfg.feature_dtype == "int8":
+        raise ValueError("data.feature_dtype=int8 needs data.features=disk (or use float16).")
     dtype = getattr(torch, data_cfg.feature_dtype)
     return (
         LazyFeatureDataset(data.train, target, layers, dtype),
         LazyFeatureDataset(data.val, target, layers, dtype),
     )
+
+
+def disk_feature_datasets(data: PreparedData, target: Target, layers, data_cfg: DictConfig):
+    """Open (building what is missing) the on-disk caches `<data.feature_cache>/{train,val}`.
+
+    `data.feature_cache: null` picks a folder per target, layer set, dtype and data (see
+    `default_cache_dir`). The build is split over ranks only when torch.distributed is already
+    initialised (its barrier is needed). `run` calls this before Accelerate starts the process
+    group, so under `accelerate launch` every process builds the whole cache itself: shards
+    already on disk are skipped and each is written to a per-process tmp file then renamed, so
+    processes sharing the folder are safe, and processes on separate disks each get a copy.
+    """
+    folder = data_cfg.get("feature_cache")
+    if folder is None:
+        data_sha1 = examples_sha1(data.train + data.val)
+        folder = default_cache_dir(target.fingerprint, layers, data_cfg.feature_dtype, data_sha1)
+    rank, world_size, barrier = 0, 1, None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        barrier = torch.distributed.barrier
+    kwargs = dict(rank=rank, world_size=world_size, barrier=barrier, progress=env_rank() == 0)
+    _place_for_features(target)
+    dtype = data_cfg.feature_dtype
+    return tuple(
+        open_or_build_feature_cache(examples, target, Path(folder) / split, layers, dtype, **kwargs)
+        for split, examples in (("train", data.train), ("val", data.val))
+    )
+
+
+def _place_for_features(target: Target) -> None:
+    """Put the target on this process's accelerator (LOCAL_RANK under `accelerate launch`)
+    before it computes a whole feature cache; the training loop would move it there anyway."""
+    model = target.model
+    if getattr(model, "hf_device_map", None) or not torch.accelerator.is_available():
+        return
+    kind = torch.accelerator.current_accelerator().type
+    model.to(torch.device(kind, int(os.environ.get("LOCAL_RANK", "0"))))
 
 
 def build_head(head_cfg: Any, target: Target, train_examples: list[dict]):
