@@ -32,6 +32,7 @@ BASELINES = ("plain", "hf_generate", "hf_prompt_lookup")
 # DYNAMIC_TREE_METHODS, an EAGLE-2 DynamicTreeConfig.
 PROPOSERS: dict[str, Callable[[Any, TreeBuffers | DynamicTreeConfig], Proposer]] = {
     "medusa": MedusaProposer,
+    "medusa2": MedusaProposer,  # the same heads; the target itself carries the adapter
     "eagle": EagleProposer,
     "eagle3": EagleProposer,
 }

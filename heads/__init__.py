@@ -8,9 +8,16 @@ from heads.base import DraftHead, HeadMismatchError, LossOutput, read_head_confi
 from heads.eagle import EagleConfig, EagleHead
 from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.medusa import MedusaConfig, MedusaHeads
+from heads.medusa2 import Medusa2Config, Medusa2Head
 
-# method name recorded in config.json -> class
-HEAD_CLASSES: dict[str, type] = {"medusa": MedusaHeads, "eagle": EagleHead, "eagle3": Eagle3Head}
+# method name recorded in config.json -> class. Medusa-2 first: its config subclasses Medusa's,
+# and build_head picks the first class whose config type matches.
+HEAD_CLASSES: dict[str, type] = {
+    "medusa2": Medusa2Head,
+    "medusa": MedusaHeads,
+    "eagle": EagleHead,
+    "eagle3": Eagle3Head,
+}
 
 
 def build_head(config, target, token_counts=None) -> DraftHead:
@@ -38,6 +45,8 @@ __all__ = [
     "EagleHead",
     "HeadMismatchError",
     "LossOutput",
+    "Medusa2Config",
+    "Medusa2Head",
     "MedusaConfig",
     "MedusaHeads",
     "build_head",

@@ -176,7 +176,8 @@ class MedusaHeads(nn.Module):
         if self.config.soft_targets:
             ahead = torch.zeros_like(hidden)
             ahead[:, : T - k - 1] = hidden[:, k + 1 :]  # h_{t+k+1}: what the target sees
-            teacher = (ahead[valid] @ self.teacher_proj.t().float()).softmax(-1)  # (N, D)
+            # detached: the teacher is a target, never pushed towards the heads (Medusa-2 adapts it)
+            teacher = (ahead[valid] @ self.teacher_proj.t().float()).softmax(-1).detach()
             per_pos = -(teacher * logits.log_softmax(-1)).sum(-1)
             loss_sum, n_loss = per_pos.sum(), n
             agree = logits.argmax(-1) == teacher.argmax(-1)

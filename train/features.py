@@ -12,13 +12,16 @@ FEATURE_KEYS = ("hidden", "aux")
 
 
 def batch_features(
-    batch: Mapping[str, Any], target: Any, layers: Sequence[int] | None
+    batch: Mapping[str, Any], target: Any, layers: Sequence[int] | None, head: Any = None
 ) -> dict[str, Tensor]:
     """The target features a head trains on: cached in the batch, or computed now.
 
     Returns {"hidden": (B, T, H)} and, when `layers` is set, {"aux": (B, T, len(layers) * H)}.
     Online features are computed under no_grad: the target is frozen and never trained here.
+    A head with `uses_target_features = False` (Medusa-2 runs its adapted target itself) gets {}.
     """
+    if head is not None and not getattr(head, "uses_target_features", True):
+        return {}
     cached = {k: batch[k] for k in FEATURE_KEYS if k in batch}
     if cached:
         if layers and "aux" not in cached:

@@ -211,7 +211,7 @@ class Trainer:
             batch = next(stream)
             with acc.accumulate(self.model):
                 with acc.autocast():
-                    features = batch_features(batch, self.target, self.layers)
+                    features = batch_features(batch, self.target, self.layers, self.head)
                 loss, stats = self.model(batch, features)
                 acc.backward(loss)
                 if acc.sync_gradients:

@@ -18,20 +18,30 @@ def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def build_optimizer(module: nn.Module, cfg: TrainerConfig) -> AdamW:
-    """AdamW; matrices get weight decay, vectors (biases, norm scales) do not."""
+    """AdamW; matrices get weight decay, vectors (biases, norm scales) do not.
+
+    A head may give some parameters their own learning rate through `param_lr(name) -> float |
+    None` (Medusa-2's adapter); the schedule scales every group alike."""
     params = trainable_parameters(module)
     if not params:
         raise ValueError(
             "the head has no parameters with requires_grad=True: nothing to train. "
             "Check that the head does not freeze itself (only the target should be frozen)."
         )
-    decay = [p for _, p in params if p.ndim >= 2]
-    no_decay = [p for _, p in params if p.ndim < 2]
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    param_lr = getattr(module, "param_lr", None)
+    groups: dict[tuple[float, bool], list[nn.Parameter]] = {}
+    for name, p in params:
+        lr = (param_lr(name) if param_lr is not None else None) or cfg.lr
+        groups.setdefault((lr, p.ndim >= 2), []).append(p)
+    return AdamW(
+        [
+            {"params": ps, "lr": lr, "weight_decay": cfg.weight_decay if decay else 0.0}
+            for (lr, decay), ps in groups.items()
+        ],
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+    )
 
 
 def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float = 0.0) -> float:

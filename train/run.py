@@ -136,7 +136,11 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> TrainResul
     target = load_target(instantiate(cfg.model))
     data = prepare_data(cfg.data, target)
     head = build_head(instantiate(cfg.head), target, data.train)
-    train_set, val_set = feature_datasets(data, target, head.feature_layers(), cfg.data)
+    if getattr(head, "uses_target_features", True):
+        train_set, val_set = feature_datasets(data, target, head.feature_layers(), cfg.data)
+    else:  # Medusa-2: the head runs its adapted target itself; cached features would be stale
+        log.info("head %s computes its own features: data.features is not used", head.method)
+        train_set, val_set = ExampleDataset(data.train), ExampleDataset(data.val)
     trainer_cfg: TrainerConfig = instantiate(cfg.trainer)
     tracker = Tracker(instantiate(cfg.logger), run_dir, is_main=env_rank() == 0)
     resolved = OmegaConf.to_container(cfg, resolve=True)

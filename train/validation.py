@@ -61,7 +61,7 @@ def evaluate_head(
     for batch in loader:
         batch = {k: v.to(acc.device) if isinstance(v, Tensor) else v for k, v in batch.items()}
         with acc.autocast():
-            out = head.loss(batch, batch_features(batch, target, layers))
+            out = head.loss(batch, batch_features(batch, target, layers, head))
         add_stats(sums, out.stats)
     head.train(was_training)
     totals = reduce_stats(acc, sums)
