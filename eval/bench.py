@@ -301,11 +301,25 @@ def run(cfg) -> dict:
             "tree_nodes": spec_nodes(head_tree),
             "tree_depth": spec_depth(head_tree),
         }
+    _check_adapted(target, loaded, meta)
     setup = BenchRun(bench, cfg.model.get("chat_template"), cfg.near_tie_gap, meta)
     out_dir = cfg.get("out_dir") or _hydra_output_dir()
     summary = run_benchmark(target, methods, setup, out_dir)
     log.info("wrote %s/report.md", out_dir)
     return summary
+
+
+def _check_adapted(target, loaded: dict, meta: dict) -> None:
+    """A Medusa-2 head adapts the target it is loaded onto, so every method of the run (the
+    baselines too) decodes with the adapted target: fine for that head alone, wrong for others."""
+    from heads.medusa2 import is_adapted
+
+    meta["target_adapted"] = is_adapted(target)
+    if meta["target_adapted"] and len(loaded) > 1:
+        raise ValueError(
+            f"heads {sorted(loaded)}: a Medusa-2 head adapts the target (LoRA), which would "
+            "change what every other head is verified against; benchmark it in a run of its own."
+        )
 
 
 def _head_entry(name: str, entry, taken: set[str]) -> dict:

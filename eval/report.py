@@ -191,6 +191,7 @@ def render_markdown(summary: dict, plots: Sequence[str]) -> str:
         "head_path",
         "head_method",
         "heads",
+        "target_adapted",
         "versions",
     ):
         if key in meta:

@@ -361,3 +361,37 @@ def test_per_category_keeps_the_first_questions_of_each(tmp_path):
     assert [p["category"] for p in load_bench_prompts(only)] == ["qa"]
     with pytest.raises(ValueError, match="per_category"):
         BenchConfig(path=spec.path, per_category=0)
+
+
+@pytest.mark.integration
+def test_a_medusa2_head_runs_alone_on_its_adapted_target(tmp_path):
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from eval.bench import run
+    from heads.medusa2 import Medusa2Config, Medusa2Head
+    from heads.target import load_target
+
+    prompts = write_prompts(tmp_path / "p.jsonl")
+    overrides = ["model=tiny_random_llama", "bench=jsonl", f"bench.path={prompts}",
+                 "bench.limit=2", "bench.max_new_tokens=6", "methods=[plain,hf_generate]",
+                 "threads=1", "tree=chain", "tree.paths=[[0],[0,0]]"]  # fmt: skip
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("evaluate", overrides=[*overrides, f"out_dir={tmp_path / 'a'}"])
+        both = compose(
+            "evaluate",
+            overrides=[*overrides, f"out_dir={tmp_path / 'b'}",
+                       f"+heads.m2={{path: {tmp_path / 'm2'}, tree: chain}}",
+                       f"+heads.m1={{path: {tmp_path / 'm1'}, tree: chain}}"],
+        )  # fmt: skip
+    target = load_target(instantiate(cfg.model, _convert_="all"))
+    medusa(target).save_pretrained(tmp_path / "m1")
+    Medusa2Head.for_target(Medusa2Config(num_heads=2, lora_rank=2), target).save_pretrained(
+        tmp_path / "m2"
+    )
+    cfg.head_path = str(tmp_path / "m2")
+    summary = run(cfg)
+    assert summary["meta"]["target_adapted"] is True
+    assert summary["methods"]["head"]["overall"]["greedy_mismatches"] == 0
+    with pytest.raises(ValueError, match="run of its own"):
+        run(both)

@@ -92,16 +92,18 @@ def disk_feature_datasets(data: PreparedData, target: Target, layers, data_cfg: 
 
     `data.feature_cache: null` picks a folder per target, layer set, dtype and data (see
     `default_cache_dir`). The build is split over ranks only when torch.distributed is already
-    initialised (its barrier is needed). `run` calls this before Accelerate starts the process
-    group, so under `accelerate launch` every process builds the whole cache itself: shards
-    already on disk are skipped and each is written to a per-process tmp file then renamed, so
-    processes sharing the folder are safe, and processes on separate disks each get a copy.
+    initialised (its barrier is needed); under `accelerate launch` this starts Accelerate's
+    process state first, so rank r builds shards r, r + W, ... and rank 0 writes the index.
+    Shards are written to a per-process tmp file then renamed, and shards already on disk are
+    skipped, so a killed build resumes.
     """
     folder = data_cfg.get("feature_cache")
     if folder is None:
         data_sha1 = examples_sha1(data.train + data.val)
         folder = default_cache_dir(target.fingerprint, layers, data_cfg.feature_dtype, data_sha1)
     rank, world_size, barrier = 0, 1, None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        _join_process_group()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         barrier = torch.distributed.barrier
@@ -112,6 +114,15 @@ def disk_feature_datasets(data: PreparedData, target: Target, layers, data_cfg: 
         open_or_build_feature_cache(examples, target, Path(folder) / split, layers, dtype, **kwargs)
         for split, examples in (("train", data.train), ("val", data.val))
     )
+
+
+def _join_process_group() -> None:
+    """Under `accelerate launch`, start Accelerate's shared process state now (the training
+    loop's Accelerator reuses it), so the feature cache is split over ranks instead of every
+    process building all of it. CPU-only machines join over gloo, as in train/loop.py."""
+    from accelerate import PartialState
+
+    PartialState(cpu=not torch.accelerator.is_available())
 
 
 def _place_for_features(target: Target) -> None:
