@@ -377,7 +377,10 @@ def test_a_medusa2_head_runs_alone_on_its_adapted_target(tmp_path):
                  "bench.limit=2", "bench.max_new_tokens=6", "methods=[plain,hf_generate]",
                  "threads=1", "tree=chain", "tree.paths=[[0],[0,0]]"]  # fmt: skip
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("evaluate", overrides=[*overrides, f"out_dir={tmp_path / 'a'}"])
+        cfg = compose(
+            "evaluate",
+            overrides=[*overrides, f"out_dir={tmp_path / 'a'}", "methods=[plain,hf_generate,head]"],
+        )
         both = compose(
             "evaluate",
             overrides=[*overrides, f"out_dir={tmp_path / 'b'}",

@@ -198,3 +198,30 @@ def test_accelerate_launch_two_processes_then_resume(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "0 to go" in proc.stderr + proc.stdout
     assert [r["id"] for r in rows_of(out)] == ids
+
+
+def test_training_on_self_distilled_data_generates_once(tmp_path):
+    """data.self_distill.enabled: train.run regenerates the answers first, then reuses them."""
+    from hydra import compose, initialize_config_dir
+
+    from tests.test_experiments import CONF
+    from train.run import run
+
+    out = tmp_path / "sd.jsonl"
+    overrides = ["+experiment=medusa_tiny", "trainer.max_steps=2", "trainer.eval_every=0",
+                 "logger.mode=disabled", "data.self_distill.enabled=true",
+                 "data.self_distill.max_rows=6", "data.self_distill.max_new_tokens=8",
+                 f"data.self_distill.out={out}", "data.max_val_examples=2",
+                 "evaluators=[]"]  # fmt: skip
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    result = run(cfg, run_dir=tmp_path / "run")
+    assert result.step == 2
+    rows = rows_of(out)
+    assert len(rows) == 12  # 6 prompts from each of the two default sources
+    assert all(r["messages"][1]["role"] == "assistant" for r in rows)
+    before = out.read_bytes()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        again = compose("config", overrides=[*overrides, "trainer.max_steps=3"])
+    run(again, run_dir=tmp_path / "run2")
+    assert out.read_bytes() == before  # reused, nothing generated twice

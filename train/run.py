@@ -7,6 +7,8 @@ instantiated here, at the edge; everything below takes dataclasses.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -46,9 +48,39 @@ class PreparedData:
     val: list[dict]
 
 
+def self_distilled_source(data_cfg: DictConfig, target: Target) -> DataSource | None:
+    """`data.self_distill.enabled`: regenerate the prompts' answers with the target (once: a
+    later run with the same target and settings reuses the file, a killed one continues it) and
+    train on that instead of `data.sources`. Under `accelerate launch` the ranks share the work.
+    """
+    sd = data_cfg.get("self_distill")
+    if not sd or not sd.get("enabled"):
+        return None
+    from data.distill import DistillConfig, distill
+
+    fields = {k: v for k, v in OmegaConf.to_container(sd, resolve=True).items() if k != "enabled"}
+    if not fields.get("out"):
+        key = json.dumps({k: v for k, v in fields.items() if k != "out"}, sort_keys=True)
+        digest = hashlib.sha1(key.encode()).hexdigest()[:12]
+        root = Path(os.environ.get("DRAFTSMITH_CACHE", "~/.cache/draftsmith")).expanduser()
+        fields["out"] = str(root / "distill" / f"{target.fingerprint[:12]}-{digest}.jsonl")
+    cfg = DistillConfig(**fields)
+    rank, world, barrier = 0, 1, None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        _join_process_group()
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        barrier = torch.distributed.barrier
+    stats = distill(
+        target, cfg, rank, world, data_cfg.get("chat_template"), barrier, progress=rank == 0
+    )
+    log.info("self-distilled data %s (this run generated %s)", cfg.out, stats)
+    return DataSource(path=cfg.out)
+
+
 def prepare_data(data_cfg: DictConfig, target: Target) -> PreparedData:
     """Read, tokenize and split the conversations (the same on every process)."""
-    sources = [instantiate(s) for s in data_cfg.sources]
+    distilled = self_distilled_source(data_cfg, target)
+    sources = [distilled] if distilled else [instantiate(s) for s in data_cfg.sources]
     sources = [
         DataSource(**{**vars(s), "path": str(resolve_path(s.path))})
         if isinstance(s, DataSource)
