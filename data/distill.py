@@ -240,7 +240,7 @@ class _Generator:
         self.pad = pad if pad is not None else eos_ids[0]
         sampling = {"do_sample": cfg.temperature > 0}
         if cfg.temperature > 0:
-            sampling |= {"temperature": cfg.temperature, "top_p": cfg.top_p}
+            sampling |= {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": 0}
         self.config = GenerationConfig(
             max_new_tokens=cfg.max_new_tokens,
             min_length=0,

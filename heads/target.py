@@ -74,7 +74,7 @@ class TargetConfig:
 # would turn greedy decoding (or plain temperature sampling) into something else.
 NEUTRAL_PROCESSORS = {
     "temperature": 1.0,
-    "top_k": 0,
+    "top_k": 50,  # transformers' default; greedy ignores it (sampling callers set 0: no cut)
     "top_p": 1.0,
     "typical_p": 1.0,
     "repetition_penalty": 1.0,
