@@ -215,12 +215,15 @@ def run_benchmark(
     reference = HFGenerateMethod(REFERENCE, target.model, eos, pad)
     _warmup(methods, prompts, setup, target.tokenizer)
     rows: list[dict] = []
-    for i, question in enumerate(prompts):
-        done = len(rows) // len(methods)  # requests so far: rotates the running order
-        rows += _question_rows(target, methods, reference, question, setup, done)
-        log.info("question %s done (%d/%d)", question["id"], i + 1, len(prompts))
+    # Rows are written as each question finishes: a run stopped early keeps what it measured.
     with open(out / "results.jsonl", "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
+        for i, question in enumerate(prompts):
+            done = len(rows) // len(methods)  # requests so far: rotates the running order
+            new = _question_rows(target, methods, reference, question, setup, done)
+            f.writelines(json.dumps(row) + "\n" for row in new)
+            f.flush()
+            rows += new
+            log.info("question %s done (%d/%d)", question["id"], i + 1, len(prompts))
     meta = {
         "bench": asdict(setup.bench),
         "methods": [m.name for m in methods],

@@ -398,3 +398,39 @@ def test_a_medusa2_head_runs_alone_on_its_adapted_target(tmp_path):
     assert summary["methods"]["head"]["overall"]["greedy_mismatches"] == 0
     with pytest.raises(ValueError, match="run of its own"):
         run(both)
+
+
+def test_rows_are_kept_when_a_run_stops_early_and_the_report_rebuilds(tiny_llama, tmp_path):
+    import subprocess
+    import sys
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    methods = build_methods(tiny_llama, ["plain", "hf_generate"])
+    calls = {"n": 0}
+    real = methods[0].run
+
+    def stops_at_the_fourth_request(ids, max_new):
+        calls["n"] += 1
+        if calls["n"] == 5:  # warm-up + 3 requests (questions 1 and 2), then a stop
+            raise KeyboardInterrupt
+        return real(ids, max_new)
+
+    methods[0].run = stops_at_the_fourth_request
+    cfg = BenchConfig(name="tiny", path=str(prompts), max_new_tokens=6, warmup=1)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        run_benchmark(tiny_llama, methods, cfg, out)
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert {(r["question_id"], r["method"]) for r in rows} == {
+        (q, m) for q in (1, 2) for m in ("plain", "hf_generate")
+    }
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_report.py", str(out), "--group", "a=alpha"],
+        capture_output=True, text=True, cwd=repo, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "### a" in proc.stdout and "| plain | 2 | 1.00 |" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["methods"]["hf_generate"]["overall"]["requests"] == 3
+    assert (out / "report.md").is_file()
