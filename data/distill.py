@@ -231,7 +231,7 @@ class _Generator:
     def __init__(self, target, cfg: DistillConfig, template: str, eos_ids: list[int]):
         from transformers import GenerationConfig
 
-        from heads.target import NEUTRAL_PROCESSORS
+        from data.generation import NEUTRAL_PROCESSORS
 
         self.model, self.tok = target.model, target.tokenizer
         self.cfg, self.template = cfg, template
@@ -296,7 +296,7 @@ def distill(
     barrier: called when this rank is done, before rank 0 merges the part files (accelerate's
     `wait_for_everyone`); not needed with one process.
     """
-    from heads.target import eos_token_ids
+    from data.generation import eos_token_ids
 
     out = resolve_path(cfg.out) if not Path(cfg.out).is_absolute() else Path(cfg.out)
     template = resolve_chat_template(target.tokenizer, chat_template)

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from data.generation import NEUTRAL_PROCESSORS, eos_token_ids
 from eval import kv_cache
 from eval.dynamic_tree import DynamicTreeConfig, TreeSpec, spec_depth, tree_spec
 from eval.eagle_proposer import EagleProposer
@@ -25,7 +26,6 @@ from eval.generator import GenerationResult, SpeculativeGenerator, plain_decode
 from eval.proposers import MedusaProposer, Proposer
 from eval.tree import TreeBuffers, build_tree
 from eval.verify import GreedyVerifier, Verifier
-from heads.target import NEUTRAL_PROCESSORS, eos_token_ids
 
 BASELINES = ("plain", "hf_generate", "hf_prompt_lookup")
 # head.method -> proposer(head, tree): a static tree (TreeBuffers) or, for the methods in
