@@ -38,7 +38,8 @@ def main() -> None:
     from heads.target import TargetConfig, load_target
 
     model_cfg = OmegaConf.load(resolve_path(f"conf/model/{args.model}.yaml"))
-    fields = {k: v for k, v in OmegaConf.to_container(model_cfg).items() if k != "_target_"}
+    fields = OmegaConf.to_container(model_cfg, resolve=True)  # ${oc.env:...} cache_dir included
+    fields = {k: v for k, v in fields.items() if k != "_target_"}
     target = load_target(TargetConfig(**fields))
     prompts = read_prompts(str(resolve_path(args.prompts_file)))[: args.prompts]
     results = []
