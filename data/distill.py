@@ -39,7 +39,7 @@ import torch
 
 from data.chat import resolve_chat_template
 from data.formats import DataFormatError, read_prompts
-from data.paths import resolve_path
+from data.paths import atomic_write, resolve_path
 
 log = logging.getLogger(__name__)
 
@@ -139,9 +139,13 @@ def meta_path(out: Path) -> Path:
     return out.with_name(f"{out.name}.meta.json")
 
 
+def part_files(out: Path) -> list[Path]:
+    """Every rank's part file beside OUT (from runs of any process count)."""
+    return sorted(out.parent.glob(f"{out.name}.rank*.jsonl"))
+
+
 def _files(out: Path) -> list[Path]:
-    parts = sorted(out.parent.glob(f"{out.name}.rank*.jsonl"))
-    return [p for p in (out, *parts, skipped_path(out)) if p.is_file()]
+    return [p for p in (out, *part_files(out), skipped_path(out)) if p.is_file()]
 
 
 def repair_tail(path: Path) -> int:
@@ -193,7 +197,7 @@ def merge_parts(out: Path) -> int:
     repair_tail(out)
     have = {row["id"] for row in read_rows(out)} if out.is_file() else set()
     moved = 0
-    for part in sorted(out.parent.glob(f"{out.name}.rank*.jsonl")):
+    for part in part_files(out):
         repair_tail(part)
         rows = [row for row in read_rows(part) if row["id"] not in have]
         _append(out, rows)
@@ -217,9 +221,7 @@ def check_meta(out: Path, meta: dict) -> None:
                 )
         return
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2) + "\n"))
 
 
 # ---- generation ------------------------------------------------------------------------------

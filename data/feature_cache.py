@@ -24,7 +24,6 @@ import hashlib
 import json
 import logging
 import os
-import socket
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -37,6 +36,7 @@ from safetensors.torch import save_file
 
 from data.dataset import FEATURE_KEYS, Example
 from data.features import META_KEY, FeatureCacheMismatch, compute_features, feature_meta
+from data.paths import atomic_write, cache_root, tmp_marker
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def default_cache_dir(
 ) -> Path:
     """``${DRAFTSMITH_CACHE:-~/.cache/draftsmith}/features/<fp>-<layers or last>-<dtype>-<sha1>``:
     a folder per target, layer set, dtype and data, so a change never reuses stale features."""
-    root = Path(os.environ.get("DRAFTSMITH_CACHE") or "~/.cache/draftsmith").expanduser()
+    root = cache_root()
     tag = "_".join(str(i) for i in layers) if layers else "last"
     return root / "features" / f"{fingerprint[:12]}-{tag}-{dtype}-{data_sha1[:12]}"
 
@@ -106,10 +106,6 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 # ---- writing ------------------------------------------------------------------------------
 
 
-def _tmp_path(path: str) -> str:
-    return f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"
-
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -123,22 +119,12 @@ def _pid_alive(pid: int) -> bool:
 def _remove_stale_tmp_files(cache_dir: str) -> None:
     """Delete tmp files left by killed builds on this host. Tmp files of live processes or of
     other hosts are left alone; nothing ever reads a tmp file, so they are harmless anyway."""
-    marker = f".tmp-{socket.gethostname()}-"
+    marker = tmp_marker()
     for name in os.listdir(cache_dir):
         _, found, pid = name.rpartition(marker)
         if found and pid.isdigit() and not _pid_alive(int(pid)):
             log.info("removing %s, left by a killed feature-cache build", name)
             Path(cache_dir, name).unlink(missing_ok=True)
-
-
-def _replace_atomically(path: str, write: Callable[[str], None]) -> None:
-    tmp = _tmp_path(path)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def _shard_tensors(features: Sequence[Example], dtype: str) -> dict[str, torch.Tensor]:
@@ -293,7 +279,7 @@ def _write_shards(examples, target, cache_dir, metas, todo, batch_tokens, progre
         tensors = _shard_tensors(features, dtype)
         path = os.path.join(cache_dir, shard_file(s))
         metadata = {META_KEY: json.dumps(meta)}
-        _replace_atomically(path, lambda tmp, t=tensors, m=metadata: save_file(t, tmp, metadata=m))
+        atomic_write(path, lambda tmp, t=tensors, m=metadata: save_file(t, tmp, metadata=m))
         if bar is not None:
             bar.update(meta["num_examples"])
     if bar is not None:
@@ -333,7 +319,7 @@ def _write_index(cache_dir: str, base: dict, metas, data_sha1: str, per_shard: i
     }
     path = os.path.join(cache_dir, INDEX_FILE)
     text = json.dumps(index, indent=1)
-    _replace_atomically(path, lambda tmp: Path(tmp).write_text(text))
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
     log.info(
         "feature cache %s: %d examples, %d tokens, %.0f bytes/token",
         cache_dir,

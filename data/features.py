@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from data.dataset import FEATURE_KEYS, SEQUENCE_KEYS, Example, collate
+from data.paths import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -139,15 +140,10 @@ def save_feature_file(examples: Sequence[Example], path: str, meta: dict) -> Non
         "num_examples": len(examples),
         "num_tokens": int(lengths.sum()),
     }
+    full_meta_json = json.dumps(full_meta)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        save_file(tensors, tmp, metadata={META_KEY: json.dumps(full_meta)})
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={META_KEY: full_meta_json}))
 
 
 def read_feature_meta(path: str) -> dict:

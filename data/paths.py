@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import socket
+from collections.abc import Callable
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -14,3 +17,27 @@ def resolve_path(path: str | Path) -> Path:
         return given
     in_repo = REPO_ROOT / given
     return in_repo if in_repo.exists() else given
+
+
+def cache_root() -> Path:
+    """Where draftsmith keeps what it builds once: `$DRAFTSMITH_CACHE`, else ~/.cache/draftsmith."""
+    return Path(os.environ.get("DRAFTSMITH_CACHE") or "~/.cache/draftsmith").expanduser()
+
+
+def tmp_marker() -> str:
+    """The part of a temporary file's name that says which host and process write it."""
+    return f".tmp-{socket.gethostname()}-"
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
+    """`write(tmp)` to a temporary file beside `path`, then rename it over `path` in one step:
+    readers see the old file or the new one, never half of one. The temporary file is removed
+    if `write` fails."""
+    path = os.fspath(path)
+    tmp = f"{path}{tmp_marker()}{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

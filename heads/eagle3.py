@@ -47,7 +47,7 @@ from heads.base import (
 from heads.base import save_head as _save_head
 from heads.draft_layer import DraftCache, DraftDecoderLayer, LayerSpec, RMSNorm
 from heads.eagle import check_shapes, topk_hits
-from heads.vocab import d2t_t2d, draft_to_target, frequent_ids, target_to_draft
+from heads.vocab import d2t_t2d, draft_to_target, frequent_ids, saved_draft_ids, target_to_draft
 
 METHOD = "eagle3"
 
@@ -287,7 +287,7 @@ class Eagle3Head(nn.Module):
                 "layers. Load the head onto the model it was trained on, or train a new head."
             )
         tensors = load_head_tensors(path)
-        draft_ids = draft_to_target(torch.arange(tensors["d2t"].numel()), tensors["d2t"])
+        draft_ids = saved_draft_ids(tensors["d2t"])
         head = cls(
             config,
             info,

@@ -29,7 +29,7 @@ from heads.base import (
     stat_pair,
 )
 from heads.base import save_head as _save_head
-from heads.vocab import d2t_t2d, draft_to_target, frequent_ids, target_to_draft
+from heads.vocab import d2t_t2d, draft_to_target, frequent_ids, saved_draft_ids, target_to_draft
 
 METHOD = "medusa"
 
@@ -201,7 +201,7 @@ class MedusaHeads(nn.Module):
         doc, info = open_head(path, target, doc)
         config = MedusaConfig(**doc["config"])
         tensors = load_head_tensors(path)
-        draft_ids = draft_to_target(torch.arange(tensors["d2t"].numel()), tensors["d2t"])
+        draft_ids = saved_draft_ids(tensors["d2t"])
         heads = cls(config, info, target.lm_head.weight, draft_ids)
         heads.load_state_dict(tensors, strict=True)
         return heads

@@ -43,7 +43,7 @@ from heads.base import (
 )
 from heads.base import save_head as _save_head
 from heads.medusa import MedusaConfig, MedusaHeads
-from heads.vocab import draft_to_target, frequent_ids
+from heads.vocab import frequent_ids, saved_draft_ids
 
 METHOD = "medusa2"
 ADAPTER_PREFIX = "adapter."
@@ -176,7 +176,7 @@ class Medusa2Head(nn.Module):
         doc, _ = open_head(path, target, doc)
         config = Medusa2Config(**doc["config"])
         tensors = load_head_tensors(path)
-        draft_ids = draft_to_target(torch.arange(tensors["d2t"].numel()), tensors["d2t"])
+        draft_ids = saved_draft_ids(tensors["d2t"])
         head = cls(config, target, draft_ids)
         adapter = {k[len(ADAPTER_PREFIX) :]: v for k, v in tensors.items() if _is_adapter(k)}
         head.medusa.load_state_dict({k: v for k, v in tensors.items() if not _is_adapter(k)})

@@ -48,6 +48,11 @@ def frequent_ids(target, size: int | None, token_counts: Tensor | None, option: 
     return select_draft_ids(token_counts, size, () if eos is None else (int(eos),))
 
 
+def saved_draft_ids(d2t: Tensor) -> Tensor:
+    """The sorted target ids of a saved draft vocabulary, from its `d2t` (what `d2t_t2d` took)."""
+    return draft_to_target(torch.arange(d2t.numel()), d2t)
+
+
 def d2t_t2d(draft_ids: Tensor, vocab_size: int) -> tuple[Tensor, Tensor]:
     """Offsets `d2t` (int64, [D]) and membership mask `t2d` (bool, [V]) for sorted `draft_ids`."""
     draft_ids = draft_ids.to(torch.int64)

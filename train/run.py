@@ -32,7 +32,7 @@ from data.dataset import (
 )
 from data.feature_cache import default_cache_dir, examples_sha1, open_or_build_feature_cache
 from data.features import LazyFeatureDataset
-from data.paths import resolve_path
+from data.paths import cache_root, resolve_path
 from heads.target import Target, load_target
 from heads.vocab import count_tokens
 from train.config import TrainerConfig
@@ -62,14 +62,9 @@ def self_distilled_source(data_cfg: DictConfig, target: Target) -> DataSource | 
     if not fields.get("out"):
         key = json.dumps({k: v for k, v in fields.items() if k != "out"}, sort_keys=True)
         digest = hashlib.sha1(key.encode()).hexdigest()[:12]
-        root = Path(os.environ.get("DRAFTSMITH_CACHE", "~/.cache/draftsmith")).expanduser()
-        fields["out"] = str(root / "distill" / f"{target.fingerprint[:12]}-{digest}.jsonl")
+        fields["out"] = str(cache_root() / "distill" / f"{target.fingerprint[:12]}-{digest}.jsonl")
     cfg = DistillConfig(**fields)
-    rank, world, barrier = 0, 1, None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        _join_process_group()
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        barrier = torch.distributed.barrier
+    rank, world, barrier = _process_ranks()
     stats = distill(
         target, cfg, rank, world, data_cfg.get("chat_template"), barrier, progress=rank == 0
     )
@@ -133,12 +128,7 @@ def disk_feature_datasets(data: PreparedData, target: Target, layers, data_cfg: 
     if folder is None:
         data_sha1 = examples_sha1(data.train + data.val)
         folder = default_cache_dir(target.fingerprint, layers, data_cfg.feature_dtype, data_sha1)
-    rank, world_size, barrier = 0, 1, None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        _join_process_group()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        barrier = torch.distributed.barrier
+    rank, world_size, barrier = _process_ranks()
     kwargs = dict(rank=rank, world_size=world_size, barrier=barrier, progress=env_rank() == 0)
     _place_for_features(target)
     dtype = data_cfg.feature_dtype
@@ -148,13 +138,19 @@ def disk_feature_datasets(data: PreparedData, target: Target, layers, data_cfg: 
     )
 
 
-def _join_process_group() -> None:
-    """Under `accelerate launch`, start Accelerate's shared process state now (the training
-    loop's Accelerator reuses it), so the feature cache is split over ranks instead of every
-    process building all of it. CPU-only machines join over gloo, as in train/loop.py."""
-    from accelerate import PartialState
+def _process_ranks():
+    """(rank, world size, barrier) for work split over processes before training starts (self-
+    distillation, the disk feature cache). Under `accelerate launch` this starts Accelerate's
+    shared process state now (the training loop's Accelerator reuses it); CPU-only machines join
+    over gloo, as in train/loop.py. One process: (0, 1, None)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from accelerate import PartialState
 
-    PartialState(cpu=not torch.accelerator.is_available())
+        PartialState(cpu=not torch.accelerator.is_available())
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        dist = torch.distributed
+        return dist.get_rank(), dist.get_world_size(), dist.barrier
+    return 0, 1, None
 
 
 def _place_for_features(target: Target) -> None:
