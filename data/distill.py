@@ -48,7 +48,9 @@ log = logging.getLogger(__name__)
 class DistillConfig:
     """How to regenerate.
 
-    prompts: prompt files (or hub datasets) for `data.read_prompts`.
+    prompts: prompt files (or hub datasets) for `data.read_prompts`; an entry is a path, or a
+        mapping {path, skip, max_rows} taking prompts skip .. skip+max_rows of that source
+        (e.g. to leave out prompts an evaluator decodes).
     out: the conversations JSONL to write (OUT.meta.json and, while running, part files beside).
     temperature: 0 for greedy decoding; > 0 samples (with top_p).
     num_samples: answers per prompt (each its own conversation); with greedy decoding only 1
@@ -57,7 +59,7 @@ class DistillConfig:
     max_prompt_tokens: a turn whose rendered prompt is longer is not generated (see module doc).
     """
 
-    prompts: list[str] = field(default_factory=list)
+    prompts: list = field(default_factory=list)
     out: str = "???"
     max_new_tokens: int = 256
     batch_size: int = 8
@@ -73,6 +75,7 @@ class DistillConfig:
             raise ValueError("distill.out is required: the conversations JSONL to write.")
         if not self.prompts:
             raise ValueError("distill.prompts is empty: give at least one prompt file.")
+        self.prompts = [_prompt_spec(p) for p in self.prompts]
         if self.temperature < 0:
             raise ValueError(f"distill.temperature={self.temperature}: use 0 (greedy) or > 0.")
         if not 0 < self.top_p <= 1:
@@ -94,6 +97,27 @@ class DistillConfig:
         return {k: getattr(self, k) for k in keep} | {"seed": self.seed}
 
 
+def _prompt_spec(entry) -> dict:
+    """A prompts entry as {path, skip, max_rows}."""
+    if isinstance(entry, str):
+        return {"path": entry, "skip": 0, "max_rows": None}
+    entry = dict(entry)
+    unknown = set(entry) - {"path", "skip", "max_rows"}
+    if "path" not in entry or unknown:
+        raise ValueError(
+            f"distill.prompts entry {entry}: give a path, or a mapping with 'path' and optionally "
+            f"'skip' and 'max_rows' (unknown keys: {sorted(unknown)})."
+        )
+    skip, rows = int(entry.get("skip") or 0), entry.get("max_rows")
+    if skip < 0 or (rows is not None and int(rows) < 1):
+        raise ValueError(f"distill.prompts entry {entry}: skip must be >= 0 and max_rows >= 1.")
+    return {
+        "path": str(entry["path"]),
+        "skip": skip,
+        "max_rows": None if rows is None else int(rows),
+    }
+
+
 @dataclass
 class WorkItem:
     key: str
@@ -106,14 +130,16 @@ class WorkItem:
 def work_items(cfg: DistillConfig) -> list[WorkItem]:
     """Every (prompt, sample) of every source, in a fixed order."""
     items, seen = [], set()
-    for source in cfg.prompts:
+    for spec in cfg.prompts:
+        source = spec["path"]
         path = resolve_path(source)
-        prompts = read_prompts(str(path) if path.exists() else source)
+        prompts = read_prompts(str(path) if path.exists() else source)[spec["skip"] :]
+        limit = spec["max_rows"] if spec["max_rows"] is not None else cfg.max_rows
         name = Path(source).stem if path.exists() else source
         if name == "question" or name in seen:  # e.g. data/corpora/X/question.jsonl
             name = f"{Path(source).parent.name}_{name}"
         seen.add(name)
-        for prompt in prompts[: cfg.max_rows] if cfg.max_rows else prompts:
+        for prompt in prompts[:limit] if limit else prompts:
             for sample in range(cfg.num_samples):
                 key = f"{name}/{prompt['id']}/{sample}"
                 items.append(WorkItem(key, name, str(prompt["id"]), sample, prompt["turns"]))

@@ -158,6 +158,28 @@ def load_head_tensors(path: str | os.PathLike) -> dict[str, Tensor]:
     return load_file(str(Path(path) / WEIGHTS_NAME))
 
 
+def warm_start(module: torch.nn.Module, tensors: dict[str, Tensor], source: str) -> list[str]:
+    """Copy a saved head's tensors (read from `source`) into `module` (a freshly built head, or
+    the part of one that has the saved head's layout) before training, e.g. Medusa-1 heads for
+    Medusa-2's joint stage. Every saved tensor must exist in `module` with the same shape;
+    returns the names `module` has that the file does not (they keep their initial values).
+    """
+    own = module.state_dict()
+    unexpected = sorted(k for k in tensors if k not in own)
+    wrong = sorted(k for k in tensors if k in own and own[k].shape != tensors[k].shape)
+    if unexpected or wrong:
+        shapes = [
+            f"{k}: saved {tuple(tensors[k].shape)}, here {tuple(own[k].shape)}" for k in wrong
+        ]
+        raise HeadMismatchError(
+            f"init_from={source}: its tensors do not fit this head (not in this head: "
+            f"{unexpected[:4]}; other shapes: {shapes[:4]}). Start from a head of the same method "
+            "family and sizes (num_heads, num_layers, draft_vocab_size), or drop init_from."
+        )
+    module.load_state_dict(tensors, strict=False)
+    return sorted(set(own) - set(tensors))
+
+
 def masked_shift(mask: Tensor, shift: int) -> Tensor:
     """`out[:, t] = mask[:, t + shift]`, 0 past the end: positions with a label `shift` ahead."""
     out = torch.zeros_like(mask)

@@ -40,6 +40,7 @@ from heads.base import (
     masked_shift,
     open_head,
     stat_pair,
+    warm_start,
 )
 from heads.base import save_head as _save_head
 from heads.medusa import MedusaConfig, MedusaHeads
@@ -115,6 +116,13 @@ class Medusa2Head(nn.Module):
 
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
         return self.medusa.draft_to_target(draft_ids)
+
+    def init_from(self, path: str | os.PathLike) -> list[str]:
+        """Warm-start the heads from a saved Medusa-1 (or Medusa-2) head folder: the Medusa-2
+        recipe trains the heads alone first, then joins the adapter. A Medusa-2 folder's adapter
+        tensors are not taken: the adapter starts fresh (the target unchanged)."""
+        tensors = {k: v for k, v in load_head_tensors(path).items() if not _is_adapter(k)}
+        return warm_start(self.medusa, tensors, str(path))
 
     def param_lr(self, name: str) -> float | None:
         """The adapter's own learning rate (train/optim.py groups parameters by it)."""

@@ -225,3 +225,18 @@ def test_training_on_self_distilled_data_generates_once(tmp_path):
         again = compose("config", overrides=[*overrides, "trainer.max_steps=3"])
     run(again, run_dir=tmp_path / "run2")
     assert out.read_bytes() == before  # reused, nothing generated twice
+
+
+def test_prompt_entries_take_a_slice_of_their_source(tmp_path):
+    from data.distill import work_items
+
+    path = write_prompts(tmp_path / "prompts.jsonl")
+    other = write_prompts(tmp_path / "other.jsonl")
+    cfg = config(tmp_path, prompts=[{"path": path, "skip": 1, "max_rows": 2}, other], max_rows=3)
+    keys = [item.key for item in work_items(cfg)]
+    # the mapping's own max_rows wins over the global one; a bare path takes the global max_rows
+    assert keys == ["prompts/b/0", "prompts/c/0", "other/a/0", "other/b/0", "other/c/0"]
+    with pytest.raises(ValueError, match="unknown keys: \\['rows'\\]"):
+        config(tmp_path, prompts=[{"path": path, "rows": 2}])
+    with pytest.raises(ValueError, match="skip must be >= 0"):
+        config(tmp_path, prompts=[{"path": path, "skip": -1}])

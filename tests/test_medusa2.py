@@ -166,3 +166,28 @@ def test_config_is_checked():
         Medusa2Config(adapter_lr=0)
     with pytest.raises(ValueError, match="lora_target_modules"):
         Medusa2Head.for_target(Medusa2Config(lora_target_modules=["nope_proj"]), fresh())
+
+
+def test_warm_start_from_medusa1_heads(tmp_path):
+    from heads.base import HeadMismatchError
+    from heads.medusa import MedusaConfig, MedusaHeads
+    from train.run import init_head_weights
+
+    target = fresh()
+    medusa1 = MedusaHeads.for_target(MedusaConfig(num_heads=2), target)
+    with torch.no_grad():
+        for p in medusa1.parameters():
+            p.add_(torch.randn_like(p))
+    medusa1.save_pretrained(tmp_path / "m1")
+    head = Medusa2Head.for_target(config(), target)
+    init_head_weights(head, str(tmp_path / "m1"))
+    for name, value in medusa1.state_dict().items():
+        assert torch.equal(head.medusa.state_dict()[name], value), name
+    # the adapter starts fresh: the adapted target still equals the original (LoRA B = 0)
+    assert abs(head.loss(batch(), {}).stats["lm/kl"][0]) < 1e-5
+
+    MedusaHeads.for_target(MedusaConfig(num_heads=3), fresh()).save_pretrained(tmp_path / "m3")
+    with pytest.raises(HeadMismatchError, match="not in this head.*blocks.2"):
+        init_head_weights(Medusa2Head.for_target(config(), fresh()), str(tmp_path / "m3"))
+    with pytest.raises(FileNotFoundError, match="give a head folder"):
+        init_head_weights(head, str(tmp_path))

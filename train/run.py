@@ -33,6 +33,7 @@ from data.dataset import (
 from data.feature_cache import default_cache_dir, examples_sha1, open_or_build_feature_cache
 from data.features import LazyFeatureDataset
 from data.paths import cache_root, resolve_path
+from heads.base import WEIGHTS_NAME, load_head_tensors, warm_start
 from heads.target import Target, load_target
 from heads.vocab import count_tokens
 from train.config import TrainerConfig
@@ -89,10 +90,32 @@ def prepare_data(data_cfg: DictConfig, target: Target) -> PreparedData:
     train_ex, val_ex = split_examples(examples, data_cfg.val_fraction, data_cfg.split_seed)
     if data_cfg.get("max_train_examples"):
         train_ex = train_ex[: data_cfg.max_train_examples]
+    if data_cfg.get("max_train_tokens"):
+        train_ex = _token_budget(train_ex, data_cfg.max_train_tokens)
     if data_cfg.get("max_val_examples"):
         val_ex = val_ex[: data_cfg.max_val_examples]
     log.info("train %s | val %s", corpus_stats(train_ex), corpus_stats(val_ex))
     return PreparedData(train_ex, val_ex)
+
+
+def _token_budget(examples: list, budget: int) -> list:
+    """The first examples whose loss (assistant) tokens add up to `budget` (the last one cut
+    short), so that two data sets can be compared at the same number of training tokens."""
+    kept, total = [], 0
+    for example in examples:
+        if total >= budget:
+            break
+        n = int(example["loss_mask"].sum())
+        if total + n > budget:
+            mask = example["loss_mask"].clone()
+            mask[mask.cumsum(0) > budget - total] = 0
+            example = {**example, "loss_mask": mask}
+            n = int(mask.sum())
+        kept.append(example)
+        total += n
+    if total < budget:
+        log.warning("data.max_train_tokens=%d but the training split has only %d", budget, total)
+    return kept
 
 
 def feature_datasets(data: PreparedData, target: Target, layers, data_cfg: DictConfig):
@@ -168,6 +191,16 @@ def build_head(head_cfg: Any, target: Target, train_examples: list[dict]):
     return heads.build_head(head_cfg, target, token_counts=counts)
 
 
+def init_head_weights(head, path: str) -> None:
+    """`init_from`: start from a saved head's weights (a head's own `init_from` decides which
+    part takes them, e.g. Medusa-2's heads), not from the initialisation."""
+    if not (Path(path) / WEIGHTS_NAME).is_file():
+        raise FileNotFoundError(f"init_from={path}: no {WEIGHTS_NAME} there; give a head folder.")
+    own = getattr(head, "init_from", None)
+    fresh = own(path) if own else warm_start(head, load_head_tensors(path), path)
+    log.info("init_from %s: weights loaded (%d tensors left as initialised)", path, len(fresh))
+
+
 def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> TrainResult:
     """Train the configured head; returns the TrainResult (the head lands in run_dir/head)."""
     run_dir = Path(run_dir or _hydra_run_dir())
@@ -175,6 +208,8 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> TrainResul
     target = load_target(instantiate(cfg.model))
     data = prepare_data(cfg.data, target)
     head = build_head(instantiate(cfg.head), target, data.train)
+    if cfg.get("init_from"):
+        init_head_weights(head, str(resolve_path(cfg.init_from)))
     if getattr(head, "uses_target_features", True):
         train_set, val_set = feature_datasets(data, target, head.feature_layers(), cfg.data)
     else:  # Medusa-2: the head runs its adapted target itself; cached features would be stale
