@@ -309,7 +309,32 @@ def run(cfg) -> dict:
     out_dir = cfg.get("out_dir") or _hydra_output_dir()
     summary = run_benchmark(target, methods, setup, out_dir)
     log.info("wrote %s/report.md", out_dir)
+    if cfg.get("logger"):
+        log_to_tracker(
+            summary, out_dir, instantiate(cfg.logger), OmegaConf.to_container(cfg, resolve=True)
+        )
     return summary
+
+
+def log_to_tracker(summary: dict, out_dir, logger_cfg, config: dict) -> None:
+    """Send the run's config, every method's overall metrics (`bench/<method>/<metric>`), the
+    report and the plots to W&B (logger.mode online/offline; nothing when disabled)."""
+    from train.tracking import Tracker
+
+    out = Path(out_dir)
+    with Tracker(logger_cfg, out) as tracker:
+        if tracker.wandb_run is None:
+            return
+        tracker.log_config(config)
+        metrics = {
+            f"bench/{name}/{key}": value
+            for name, m in summary["methods"].items()
+            for key, value in m["overall"].items()
+            if isinstance(value, int | float)
+        }
+        tracker.log(metrics, step=0)
+        files = {f"bench/{p.stem}": p for p in sorted(out.glob("*.png"))}
+        tracker.log_files(files | {"report": out / "report.md"}, step=0)
 
 
 def _check_adapted(target, loaded: dict, meta: dict) -> None:

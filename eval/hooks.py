@@ -67,7 +67,8 @@ class TauEvaluator:
         return self._encoded[1]
 
     @torch.no_grad()
-    def __call__(self, head, target) -> dict[str, float]:
+    def decode(self, head, target) -> list:
+        """Greedy speculative decoding of every prompt: the GenerationResults, in order."""
         was_training = head.training
         head.eval()
         try:
@@ -77,17 +78,27 @@ class TauEvaluator:
                 GreedyVerifier(),
                 eos_token_id=eos_token_ids(target),
             )
-            tokens, forwards, per_request = 0, 0, []
-            for ids in self._prompts(target.tokenizer):
-                result = generator.generate(ids, self.max_new_tokens)
-                decode_tokens = result.new_tokens.numel() - 1  # the prefill emits one token
-                decode_forwards = result.num_target_forwards - 1
-                tokens, forwards = tokens + decode_tokens, forwards + decode_forwards
-                if decode_forwards:
-                    per_request.append(decode_tokens / decode_forwards)
+            return [
+                generator.generate(ids, self.max_new_tokens)
+                for ids in self._prompts(target.tokenizer)
+            ]
         finally:
             head.train(was_training)
+
+    @staticmethod
+    def tau_of(results: list) -> dict[str, float]:
+        """Acceptance length over the decode steps (the prefill's token and forward left out)."""
+        tokens, forwards, per_request = 0, 0, []
+        for result in results:
+            decode_tokens = result.new_tokens.numel() - 1  # the prefill emits one token
+            decode_forwards = result.num_target_forwards - 1
+            tokens, forwards = tokens + decode_tokens, forwards + decode_forwards
+            if decode_forwards:
+                per_request.append(decode_tokens / decode_forwards)
         return {
             "tau": tokens / forwards if forwards else 0.0,
             "tau_per_request": sum(per_request) / len(per_request) if per_request else 0.0,
         }
+
+    def __call__(self, head, target) -> dict[str, float]:
+        return self.tau_of(self.decode(head, target))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
-from heads.base import DraftHead, HeadMismatchError, LossOutput, read_head_config
+from heads.base import CONFIG_NAME, DraftHead, HeadMismatchError, LossOutput, read_head_config
 from heads.eagle import EagleConfig, EagleHead
 from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.medusa import MedusaConfig, MedusaHeads
@@ -29,7 +31,13 @@ def build_head(config, target, token_counts=None) -> DraftHead:
 
 
 def from_pretrained(path: str | os.PathLike, target) -> DraftHead:
-    """Load any draftsmith head folder onto `target`, by the method its config.json records."""
+    """Load any draftsmith head folder onto `target`, by the method its config.json records.
+    A folder in a serving engine's layout (no "method" key) goes through heads.interop."""
+    cfg_file = Path(path) / CONFIG_NAME
+    if cfg_file.is_file() and "method" not in json.loads(cfg_file.read_text()):
+        from heads.interop import import_draft  # imported here: interop imports this package
+
+        return import_draft(path, target)
     doc = read_head_config(path)
     method = doc["method"]
     if method not in HEAD_CLASSES:

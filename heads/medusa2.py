@@ -117,12 +117,12 @@ class Medusa2Head(nn.Module):
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
         return self.medusa.draft_to_target(draft_ids)
 
-    def init_from(self, path: str | os.PathLike) -> list[str]:
-        """Warm-start the heads from a saved Medusa-1 (or Medusa-2) head folder: the Medusa-2
-        recipe trains the heads alone first, then joins the adapter. A Medusa-2 folder's adapter
+    def init_from(self, tensors: dict[str, Tensor], source: str) -> list[str]:
+        """Warm-start the heads from a saved Medusa-1 (or Medusa-2) head's tensors: the Medusa-2
+        recipe trains the heads alone first, then joins the adapter. A Medusa-2 head's adapter
         tensors are not taken: the adapter starts fresh (the target unchanged)."""
-        tensors = {k: v for k, v in load_head_tensors(path).items() if not _is_adapter(k)}
-        return warm_start(self.medusa, tensors, str(path))
+        tensors = {k: v for k, v in tensors.items() if not _is_adapter(k)}
+        return warm_start(self.medusa, tensors, source)
 
     def param_lr(self, name: str) -> float | None:
         """The adapter's own learning rate (train/optim.py groups parameters by it)."""

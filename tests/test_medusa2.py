@@ -191,3 +191,12 @@ def test_warm_start_from_medusa1_heads(tmp_path):
         init_head_weights(Medusa2Head.for_target(config(), fresh()), str(tmp_path / "m3"))
     with pytest.raises(FileNotFoundError, match="give a head folder"):
         init_head_weights(head, str(tmp_path))
+
+    # a serving-engine layout (vLLM's Medusa) is imported first, then taken the same way
+    from heads.interop import export_draft
+
+    export_draft(medusa1, target, "medusa", tmp_path / "vllm")
+    again = Medusa2Head.for_target(config(), fresh())
+    init_head_weights(again, str(tmp_path / "vllm"), target)
+    for name, value in medusa1.state_dict().items():
+        assert torch.equal(again.medusa.state_dict()[name], value), name

@@ -223,3 +223,25 @@ def test_token_budget_keeps_the_first_examples_and_cuts_the_last():
     assert kept[1]["loss_mask"].tolist() == [0, 0, 1, 1, 1, 0, 0, 0]  # the first 3 answer tokens
     assert examples[1]["loss_mask"].sum() == 5  # the input is not changed
     assert len(_token_budget(examples, 100)) == 3
+
+
+def test_wandb_offline_records_artifact_plots_and_report(tmp_path, monkeypatch):
+    from PIL import Image
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens there
+    Image.new("RGB", (8, 8), "red").save(tmp_path / "tau.png")
+    (tmp_path / "report.md").write_text("# report\n")
+    head = tmp_path / "best_head"
+    head.mkdir()
+    (head / "config.json").write_text("{}")
+    cfg = LoggerConfig(mode="offline", dir=str(tmp_path / "wb"))
+    with Tracker(cfg, tmp_path / "run") as tracker:
+        tracker.log_artifact(head, name="eagle3-head", metadata={"tau": 1.5})
+        tracker.log_files({"bench/tau": tmp_path / "tau.png", "report": tmp_path / "report.md"})
+        run_id = tracker.wandb_run.id
+    (run_dir,) = (tmp_path / "wb" / "wandb").glob(f"offline-run-*-{run_id}")
+    records = b"".join(p.read_bytes() for p in run_dir.glob("*.wandb"))
+    assert b"eagle3-head" in records  # the artifact, by name
+    assert b"bench/tau" in records  # the plot, logged as an image under its key
+    assert (run_dir / "files" / "report.md").read_text() == "# report\n"

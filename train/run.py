@@ -191,13 +191,39 @@ def build_head(head_cfg: Any, target: Target, train_examples: list[dict]):
     return heads.build_head(head_cfg, target, token_counts=counts)
 
 
-def init_head_weights(head, path: str) -> None:
-    """`init_from`: start from a saved head's weights (a head's own `init_from` decides which
-    part takes them, e.g. Medusa-2's heads), not from the initialisation."""
-    if not (Path(path) / WEIGHTS_NAME).is_file():
-        raise FileNotFoundError(f"init_from={path}: no {WEIGHTS_NAME} there; give a head folder.")
+DATA_STATS = "data_stats.json"  # the training data's size, for model cards
+
+
+def _log_final_head(tracker: Tracker, run_dir: Path, method: str) -> None:
+    """The head the run keeps (best_head when an evaluator chose one, else head) as a W&B
+    model artifact, with the run's data size and best metric as metadata."""
+    chosen = run_dir / "best_head" if (run_dir / "best_head").is_dir() else run_dir / "head"
+    if not chosen.is_dir():
+        return
+    meta = {"method": method, "folder": chosen.name}
+    for name in (DATA_STATS, "best.json"):
+        if (run_dir / name).is_file():
+            meta[Path(name).stem] = json.loads((run_dir / name).read_text())
+    tracker.log_artifact(chosen, name=f"{method}-head", type="model", metadata=meta)
+
+
+def init_head_weights(head, path: str, target: Target | None = None) -> None:
+    """`init_from`: start from a saved head's weights instead of the initialisation. A native
+    folder gives its tensors as saved; a serving-engine layout (heads/interop.py) is imported
+    onto `target` first. A head's own `init_from` decides which part takes them (Medusa-2: its
+    heads)."""
+    config = Path(path) / "config.json"
+    native = config.is_file() and "method" in json.loads(config.read_text())
+    if native and (Path(path) / WEIGHTS_NAME).is_file():
+        tensors = load_head_tensors(path)
+    elif config.is_file() and not native and target is not None:
+        tensors = heads.from_pretrained(path, target).state_dict()
+    else:
+        raise FileNotFoundError(
+            f"init_from={path}: no head there (config.json and {WEIGHTS_NAME}); give a head folder."
+        )
     own = getattr(head, "init_from", None)
-    fresh = own(path) if own else warm_start(head, load_head_tensors(path), path)
+    fresh = own(tensors, path) if own else warm_start(head, tensors, path)
     log.info("init_from %s: weights loaded (%d tensors left as initialised)", path, len(fresh))
 
 
@@ -209,7 +235,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> TrainResul
     data = prepare_data(cfg.data, target)
     head = build_head(instantiate(cfg.head), target, data.train)
     if cfg.get("init_from"):
-        init_head_weights(head, str(resolve_path(cfg.init_from)))
+        init_head_weights(head, str(resolve_path(cfg.init_from)), target)
     if getattr(head, "uses_target_features", True):
         train_set, val_set = feature_datasets(data, target, head.feature_layers(), cfg.data)
     else:  # Medusa-2: the head runs its adapted target itself; cached features would be stale
@@ -221,6 +247,8 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> TrainResul
     if env_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+        stats = {"train": corpus_stats(data.train), "val": corpus_stats(data.val)}
+        (run_dir / DATA_STATS).write_text(json.dumps(stats, indent=2) + "\n")
     tracker.log_config(resolved)
     callbacks = [instantiate(c) for c in cfg.get("callbacks", None) or []]
     evaluators = [instantiate(c) for c in cfg.get("evaluators", None) or []]
@@ -237,6 +265,8 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> TrainResul
         callbacks=callbacks,
         evaluators=evaluators,
     )
+    if env_rank() == 0:
+        _log_final_head(tracker, run_dir, head.method)
     tracker.finish()
     if env_rank() == 0:
         print(format_summary(result, run_dir))

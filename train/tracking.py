@@ -128,6 +128,20 @@ class Tracker:
         artifact.add_dir(str(path))
         self._wandb_run.log_artifact(artifact)
 
+    def log_files(self, files: Mapping[str, str | os.PathLike], step: int | None = None) -> None:
+        """Log PNG plots as W&B images under their keys and save the other files (e.g. a
+        report.md) with the W&B run; no-op without W&B."""
+        if self._wandb_run is None:
+            return
+        import wandb
+
+        images = {k: wandb.Image(str(v)) for k, v in files.items() if str(v).endswith(".png")}
+        if images:
+            self._wandb_run.log(images, step=step)
+        for path in files.values():
+            if not str(path).endswith(".png"):
+                self._wandb_run.save(str(path), base_path=str(Path(path).parent), policy="now")
+
     def rewind(self, step: int) -> None:
         """Drop metrics.jsonl records after `step` (a resumed run logs those steps again)."""
         if not self.is_main or not self.metrics_path.is_file():

@@ -1,0 +1,70 @@
+"""Export a trained draft for serving engines, the Hub, or draftsmith itself.
+
+    python scripts/export.py RUN_DIR --format eagle3 --out DIR
+    python scripts/export.py RUN_DIR --format medusa --out DIR --bench outputs/eval/<run>
+    python scripts/export.py RUN_DIR --format eagle3 --out DIR --push-to-hub me/smollm2-eagle3
+
+RUN_DIR is what train.py wrote (its best_head/, else head/) or a head folder. Formats:
+native (draftsmith's own), eagle3 (vLLM / SGLang EAGLE-3), eagle (EAGLE-1/2), medusa (vLLM's
+Medusa), medusa_fd (FasterDecoding/Medusa). The folder gets config.json, model.safetensors and a
+model card, and is proved before it is written: it is re-imported and decoded greedily next to
+the head on a few prompts (same tokens, same tau), or the export fails and writes nothing.
+--push-to-hub uploads it (private unless --public) with the token in HF_TOKEN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+
+
+def main(argv: list[str] | None = None) -> int:
+    from heads.interop import FORMATS
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("source", help="a train.py run dir or a head folder")
+    parser.add_argument("--format", required=True, choices=FORMATS)
+    parser.add_argument("--out", required=True, type=Path, help="the folder to write")
+    parser.add_argument(
+        "--bench", help="an evaluate.py run dir: its table and plots go in the card"
+    )
+    parser.add_argument("--push-to-hub", metavar="REPO", help="upload to this Hub repo")
+    parser.add_argument("--public", action="store_true", help="a public repo (default: private)")
+    parser.add_argument("--check-prompts", type=int, default=4)
+    parser.add_argument("--check-tokens", type=int, default=32)
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    from eval.export import ExportCheckError, export_draft
+    from eval.hub import HubUploadError
+
+    try:
+        result = export_draft(
+            args.source,
+            args.format,
+            args.out,
+            bench=args.bench,
+            check_prompts=args.check_prompts,
+            check_tokens=args.check_tokens,
+            push=args.push_to_hub,
+            private=not args.public,
+            overwrite=args.overwrite,
+        )
+    except (ExportCheckError, HubUploadError, FileExistsError, FileNotFoundError, ValueError) as e:
+        print(f"export failed: {e}", file=sys.stderr)
+        return 1
+    check = result.check
+    print(f"wrote {result.out} ({result.format}); round trip on {check['prompts']} prompts: "
+          f"tau {check['tau_export']:.3f} = head {check['tau_head']:.3f}")  # fmt: skip
+    if result.url:
+        print(f"pushed: {result.url}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

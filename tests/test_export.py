@@ -1,0 +1,164 @@
+"""eval/export.py: export a run's head, prove the folder by a round trip, write the model card."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from conftest import diverse
+
+import heads
+from eval.export import ExportCheckError, export_draft, export_run, find_head
+from heads.eagle3 import Eagle3Config, Eagle3Head
+from heads.medusa import MedusaConfig, MedusaHeads
+from heads.target import Target
+
+
+@pytest.fixture
+def target(tokenizer):
+    from conftest import make_llama
+
+    return Target.from_model(diverse(make_llama()), tokenizer, name_or_path="tiny-llama")
+
+
+def randomise(head, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return head
+
+
+def make_run(tmp_path, head) -> str:
+    """A run dir as train.py leaves it: config.yaml, data_stats.json, best.json, best_head/."""
+    run = tmp_path / "run"
+    head.save_pretrained(run / "best_head")
+    config = {
+        "model": {"name_or_path": "tiny-llama"},
+        "data": {"self_distill": {"enabled": True, "max_new_tokens": 64,
+                                  "prompts": [{"path": "p.jsonl", "skip": 4, "max_rows": 10}]}},
+        "trainer": {"max_steps": 7, "batch_size": 2, "lr": 0.001},
+    }  # fmt: skip
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    stats = {"train": {"examples": 10, "tokens": 900, "loss_tokens": 500}}
+    (run / "data_stats.json").write_text(json.dumps(stats))
+    (run / "best.json").write_text(json.dumps({"metric": "eval/tau", "value": 1.5, "step": 7}))
+    return str(run)
+
+
+def eagle3(target):
+    counts = torch.arange(target.vocab_size).float()
+    return randomise(Eagle3Head.for_target(Eagle3Config(draft_vocab_size=96), target, counts))
+
+
+def front_matter(card: str) -> dict:
+    assert card.startswith("---\n")
+    return yaml.safe_load(card.split("---\n")[1])
+
+
+@pytest.mark.parametrize("fmt", ["native", "eagle3"])
+def test_export_writes_a_proved_folder_and_a_card(fmt, target, tmp_path):
+    run = make_run(tmp_path, eagle3(target))
+    out = tmp_path / "out"
+    result = export_draft(run, fmt, out, target=target, check_prompts=2, check_tokens=8)
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    assert not list(tmp_path.glob(".out.partial*"))
+    check = result.check
+    assert check["tau_head"] == check["tau_export"] and check["tau_head"] >= 1.0
+    reloaded = heads.from_pretrained(out, target)  # both formats load back through one door
+    assert reloaded.method == "eagle3"
+    card = (out / "README.md").read_text()
+    meta = front_matter(card)
+    assert meta["base_model"] == "tiny-llama" and meta["library_name"] == "draftsmith"
+    assert {"speculative-decoding", "draftsmith", "eagle3"} <= set(meta["tags"])
+    assert "Self-distilled" in card and "`p.jsonl` rows 4..+10" in card
+    assert "10 conversations, 900 tokens, 500 of them trained on" in card
+    assert f"tau {check['tau_export']:.3f}" in card
+    if fmt == "eagle3":
+        assert '"method": "eagle3"' in card and "--speculative-algorithm EAGLE3" in card
+    assert json.loads((out / "export.json").read_text())["format"] == fmt
+
+
+def test_a_folder_that_decodes_differently_is_not_written(tokenizer, tmp_path, monkeypatch):
+    from conftest import make_llama
+
+    from heads import interop
+
+    # At its default init the tiny Llama repeats one token, and fresh Medusa heads (zero blocks,
+    # the target's own lm_head rows) propose it: every draft token is accepted.
+    target = Target.from_model(make_llama(), tokenizer, name_or_path="tiny-llama")
+    head = MedusaHeads.for_target(MedusaConfig(num_heads=2), target)
+    real = interop.import_draft
+
+    def broken(path, target):  # a mapping bug: the projection rows come back shifted by one id
+        head = real(path, target)
+        with torch.no_grad():
+            for proj in head.proj:
+                proj.copy_(proj.roll(1, dims=0))
+        return head
+
+    run = make_run(tmp_path, head)
+    good = export_draft(run, "medusa", tmp_path / "good", target=target, check_prompts=2,
+                        check_tokens=8)  # fmt: skip
+    assert good.check["tau_head"] > 2.0  # 2 heads: up to 3 tokens a forward
+    monkeypatch.setattr(interop, "import_draft", broken)
+    out = tmp_path / "out"
+    with pytest.raises(ExportCheckError, match="decodes differently"):
+        export_draft(run, "medusa", out, target=target, check_prompts=2, check_tokens=8)
+    assert not out.exists() and not list(tmp_path.glob(".out.partial*"))
+
+
+def test_medusa_export_with_a_benchmark_in_the_card(target, tmp_path):
+    counts = torch.arange(target.vocab_size).float()
+    head = randomise(MedusaHeads.for_target(MedusaConfig(num_heads=2, draft_vocab_size=96),
+                                            target, counts))  # fmt: skip
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    overall = {"tau": 1.7, "tokens_per_s": 20.0, "speedup_vs_plain": 1.3, "greedy_mismatches": 0,
+               "requests": 12}  # fmt: skip
+    summary = {
+        "meta": {"bench": {"name": "mt_bench", "max_new_tokens": 64}, "num_requests": 12,
+                 "device": "cpu", "threads": 2},
+        "definitions": {"tau": "acceptance length, defined here"},
+        "methods": {"plain": {"overall": {**overall, "tau": 1.0}}, "medusa": {"overall": overall}},
+    }  # fmt: skip
+    (bench / "summary.json").write_text(json.dumps(summary))
+    (bench / "tokens_per_s.png").write_bytes(b"\x89PNG fake")
+    out = tmp_path / "out"
+    result = export_draft(make_run(tmp_path, head), "medusa", out, target=target, bench=bench,
+                          check_prompts=2, check_tokens=8)  # fmt: skip
+    assert result.check["tree"] == "2"  # a chain as deep as the two heads
+    card = (out / "README.md").read_text()
+    assert "| medusa | 1.70 | 20.00 | 1.30 | 0 | 12 |" in card
+    assert "- **tau**: acceptance length, defined here" in card
+    assert "![tokens_per_s](plots/tokens_per_s.png)" in card
+    assert (out / "plots" / "tokens_per_s.png").read_bytes() == b"\x89PNG fake"
+    assert '"method": "medusa"' in card and '"num_speculative_tokens": 2' in card
+
+
+def test_bad_sources_and_options_are_refused(target, tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither a head folder"):
+        find_head(tmp_path)
+    run = make_run(tmp_path, eagle3(target))
+    (tmp_path / "out").mkdir()
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        export_draft(run, "eagle3", tmp_path / "out", target=target)
+    with pytest.raises(ValueError, match="use one of"):
+        export_draft(run, "gguf", tmp_path / "out2", target=target)
+    with pytest.raises(ValueError, match=r"\{format\}"):
+        export_run(run, {"formats": ["eagle3", "native"], "push_to_hub": "me/draft"})
+    assert find_head(run)[0].name == "best_head"
+
+
+def test_the_command_line_reports_failures(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "export.py"
+    spec = importlib.util.spec_from_file_location("export_cli", path)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    code = cli.main([str(tmp_path), "--format", "eagle3", "--out", str(tmp_path / "o")])
+    assert code == 1 and "export failed: " in capsys.readouterr().err
