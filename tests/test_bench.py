@@ -434,3 +434,27 @@ def test_rows_are_kept_when_a_run_stops_early_and_the_report_rebuilds(tiny_llama
     summary = json.loads((out / "summary.json").read_text())
     assert summary["methods"]["hf_generate"]["overall"]["requests"] == 3
     assert (out / "report.md").is_file()
+
+
+def test_evaluate_logs_metrics_report_and_plots_to_wandb_offline(tmp_path, monkeypatch):
+    from PIL import Image
+
+    from eval.bench import log_to_tracker
+    from train.tracking import LoggerConfig
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens there
+    Image.new("RGB", (8, 8), "blue").save(tmp_path / "tokens_per_s.png")
+    (tmp_path / "report.md").write_text("| method | tau |\n")
+    summary = {
+        "methods": {"plain": {"overall": {"tau": 1.0}}, "medusa": {"overall": {"tau": 1.75}}}
+    }
+    logger = LoggerConfig(mode="offline", dir=str(tmp_path / "wb"))
+    log_to_tracker(summary, tmp_path, logger, {"bench": {"name": "mt_bench"}})
+    (run_dir,) = (tmp_path / "wb" / "wandb").glob("offline-run-*")
+    records = b"".join(p.read_bytes() for p in run_dir.glob("*.wandb"))
+    assert b"bench/medusa/tau" in records and b"bench/tokens_per_s" in records
+    assert (run_dir / "files" / "report.md").is_file()
+    # disabled: nothing is written
+    log_to_tracker(summary, tmp_path / "off", LoggerConfig(mode="disabled"), {})
+    assert not (tmp_path / "off" / "wandb").exists()

@@ -32,7 +32,17 @@ SMALL = [
 ]
 
 
-def _compose(name: str, extra: list[str]):
+def _compose(name: str, extra: list[str], tmp_path: Path | None = None):
+    if name.endswith("_llama") and tmp_path is not None:
+        # the real default path (self-distilled data, disk feature cache), cut to a few prompts
+        extra = [
+            "data.self_distill.prompts=[{path: data/corpora/oa_prompts_en/prompts.jsonl, "
+            "skip: 16, max_rows: 12}]",
+            "data.self_distill.max_new_tokens=12",
+            f"data.self_distill.out={tmp_path}/sd/sd.jsonl",
+            f"data.feature_cache={tmp_path}/features",
+            *extra,
+        ]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose("config", overrides=[f"+experiment={name}", *SMALL, *extra])
 
@@ -43,7 +53,7 @@ def test_experiments_exist():
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_experiment_runs_two_steps_saves_and_resumes(name, tmp_path):
-    cfg = _compose(name, [])
+    cfg = _compose(name, [], tmp_path)
     result = run(cfg, run_dir=tmp_path)
     assert result.step == 2 and not result.stopped_early
     assert any(k.endswith("head0/top1") for k in result.val_metrics)
@@ -53,9 +63,15 @@ def test_experiment_runs_two_steps_saves_and_resumes(name, tmp_path):
     h = torch.randn(3, target.hidden_size)
     assert torch.isfinite(head(h)).all()
     # A longer run in the same dir resumes from step 2 instead of starting over.
-    longer = run(_compose(name, ["trainer.max_steps=3"]), run_dir=tmp_path)
+    longer = run(_compose(name, ["trainer.max_steps=3"], tmp_path), run_dir=tmp_path)
     assert longer.step == 3
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert max(x.get("step", 0) for x in lines) == 3
     assert (tmp_path / "checkpoints" / "step_2").is_dir()
     assert (tmp_path / "config.yaml").is_file()
+    stats = json.loads((tmp_path / "data_stats.json").read_text())
+    assert stats["train"]["examples"] > 0 and stats["train"]["loss_tokens"] > 0
+    if name.endswith("_llama"):  # trained on the target's own answers, features from disk
+        assert len((tmp_path / "sd" / "sd.jsonl").read_text().splitlines()) == 12
+        if cfg.data.features == "disk":
+            assert list((tmp_path / "features").glob("*/index.json"))
