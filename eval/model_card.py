@@ -69,7 +69,9 @@ def _data_section(context: dict) -> list[str]:
         lines[-1] += f" (up to {sd.get('max_new_tokens')} new tokens a turn) to these prompts:"
         for p in sd.get("prompts") or []:
             p = p if isinstance(p, dict) else {"path": p}
-            rows = f" rows {p.get('skip', 0)}..+{p['max_rows']}" if p.get("max_rows") else ""
+            skip, count = int(p.get("skip") or 0), p.get("max_rows")
+            rows = f" (prompts {skip + 1}-{skip + count})" if count else ""
+            rows = rows or (f" (from prompt {skip + 1})" if skip else "")
             lines.append(f"- `{p['path']}`{rows}")
     elif data.get("sources"):
         lines.append("Human-written conversations:")

@@ -99,6 +99,7 @@ def atomic_save_dir(path: str | os.PathLike, write: Any) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         write(tmp)
+        _usual_permissions(tmp)
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             os.replace(path, old)
@@ -110,6 +111,17 @@ def atomic_save_dir(path: str | os.PathLike, write: Any) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _usual_permissions(folder: Path) -> None:
+    """mkdtemp makes a 0700 folder (and some writers 0600 files): give the folder and its files
+    the modes a plain mkdir/open would have under the umask, so other users (a serving engine's
+    account) can read a head."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for item in folder.rglob("*"):
+        item.chmod((0o777 if item.is_dir() else 0o666) & ~umask)
 
 
 def save_head(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -65,6 +67,10 @@ def test_export_writes_a_proved_folder_and_a_card(fmt, target, tmp_path):
     result = export_draft(run, fmt, out, target=target, check_prompts=2, check_tokens=8)
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     assert not list(tmp_path.glob(".out.partial*"))
+    umask = os.umask(0)
+    os.umask(umask)  # readable like any file the user writes (mkdtemp alone would give 0700)
+    assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o666 & ~umask
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
     check = result.check
     assert check["tau_head"] == check["tau_export"] and check["tau_head"] >= 1.0
     reloaded = heads.from_pretrained(out, target)  # both formats load back through one door
@@ -73,7 +79,7 @@ def test_export_writes_a_proved_folder_and_a_card(fmt, target, tmp_path):
     meta = front_matter(card)
     assert meta["base_model"] == "tiny-llama" and meta["library_name"] == "draftsmith"
     assert {"speculative-decoding", "draftsmith", "eagle3"} <= set(meta["tags"])
-    assert "Self-distilled" in card and "`p.jsonl` rows 4..+10" in card
+    assert "Self-distilled" in card and "`p.jsonl` (prompts 5-14)" in card
     assert "10 conversations, 900 tokens, 500 of them trained on" in card
     assert f"tau {check['tau_export']:.3f}" in card
     if fmt == "eagle3":
