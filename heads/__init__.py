@@ -32,7 +32,9 @@ def build_head(config, target, token_counts=None) -> DraftHead:
 
 def from_pretrained(path: str | os.PathLike, target) -> DraftHead:
     """Load any draftsmith head folder onto `target`, by the method its config.json records.
-    A folder in a serving engine's layout (no "method" key) goes through heads.interop."""
+    A folder in a serving engine's layout (no "method" key) goes through heads.interop; a Hub
+    repo id ("owner/name", not a local path) is downloaded first."""
+    path = hub_snapshot(path)
     cfg_file = Path(path) / CONFIG_NAME
     if cfg_file.is_file() and "method" not in json.loads(cfg_file.read_text()):
         from heads.interop import import_draft  # imported here: interop imports this package
@@ -43,6 +45,24 @@ def from_pretrained(path: str | os.PathLike, target) -> DraftHead:
     if method not in HEAD_CLASSES:
         raise ValueError(f"{path}: unknown head method {method!r}; known: {sorted(HEAD_CLASSES)}.")
     return HEAD_CLASSES[method].from_pretrained(path, target, doc=doc)
+
+
+def hub_snapshot(path: str | os.PathLike) -> str | os.PathLike:
+    """`path` when it exists locally; for a Hub repo id, the downloaded snapshot's folder."""
+    text = str(path)
+    if Path(path).exists() or text.count("/") != 1 or text.startswith((".", "/", "~")):
+        return path
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.bin", "*.pt", "*.md"]
+    try:
+        return snapshot_download(text, allow_patterns=patterns)
+    except Exception as e:  # offline, unknown repo, no access: say which and what to do
+        raise FileNotFoundError(
+            f"{text}: not a local folder, and downloading it from the Hub failed "
+            f"({type(e).__name__}: {e}). Check the repo id and network access (HF_HUB_OFFLINE, "
+            "HF_TOKEN for private repos), or download it and pass the folder."
+        ) from None
 
 
 __all__ = [
