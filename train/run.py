@@ -209,7 +209,7 @@ def _log_final_head(tracker: Tracker, run_dir: Path, method: str) -> None:
 
 def init_head_weights(head, path: str, target: Target | None = None) -> None:
     """`init_from`: start from a saved head's weights instead of the initialisation. A native
-    folder gives its tensors as saved; a serving-engine layout (heads/interop.py) is imported
+    folder gives its tensors as saved; a serving-engine layout (heads/interop/) is imported
     onto `target` first. A head's own `init_from` decides which part takes them (Medusa-2: its
     heads)."""
     config = Path(path) / "config.json"

@@ -1,0 +1,65 @@
+"""Export draft heads to the folders serving engines load, and import such folders back.
+
+Formats (`FORMATS`), each a folder with `config.json` and one weights file:
+- `native`: draftsmith's own folder (`save_pretrained`), any head.
+- `eagle3`: an EAGLE-3 draft for vLLM (`--speculative-config '{"method":"eagle3","model":DIR,
+  "num_speculative_tokens":K}'`) and SGLang (`--speculative-algorithm EAGLE3
+  --speculative-draft-model-path DIR`): `LlamaForCausalLMEagle3`, unprefixed `fc`, `layers.0.*`,
+  `norm`, `lm_head` [D, H], `d2t`, `t2d`; no `embed_tokens` (the engines use the target's).
+- `eagle`: an EAGLE-1/2 draft for the engines' EAGLE-1 Llama classes: `fc` (with bias) and
+  `layers.0.*` without input_layernorm (both engines replace it by the identity). Architectures
+  `[LlamaForCausalLMEagle, LlamaForCausalLM]`: SGLang takes the first, and vLLM renames each to
+  `Eagle{arch}` and takes the first it knows, `EagleLlamaForCausalLM`.
+- `medusa`: vLLM's `MedusaModel` (vllm/model_executor/models/medusa.py, last in vLLM 0.32.x):
+  `blocks.{h}.layers.{l}`, `lm_heads.{h}`, and `token_map` for a reduced vocabulary.
+- `medusa_fd`: FasterDecoding/Medusa's `medusa_lm_head` layout (also what text-generation-inference
+  and TensorRT-LLM read): `{h}.{l}.linear.*` residual blocks, `{h}.{num_layers}.weight`, in
+  `medusa_lm_head.safetensors` (FasterDecoding's own MedusaModel.from_pretrained reads a torch.save
+  of the same dict, `medusa_lm_head.pt`).
+
+`import_draft` reads any of these (and SafeAILab / SpecForge EAGLE checkpoints: `midlayer.*`,
+`pytorch_model.bin`, a `model.` prefix) into our head classes, onto a given target.
+Medusa-2 heads adapt the target with LoRA, which no engine applies: only `native` is offered.
+
+The package: `export.py` writes the layouts, `load.py` reads them back.
+"""
+
+from __future__ import annotations
+
+FORMATS = ("native", "eagle3", "eagle", "medusa", "medusa_fd")
+# The engine releases each layout was checked against (also written into config.json).
+ENGINE_VERSIONS = {
+    "eagle3": {"vllm": "0.33", "sglang": "0.5.23"},
+    "eagle": {"vllm": "0.33", "sglang": "0.5.23"},
+    "medusa": {"vllm": "0.32"},
+    "medusa_fd": {"FasterDecoding/Medusa": "main"},
+}
+WEIGHTS_NAME = "model.safetensors"
+MEDUSA_FD_WEIGHTS = "medusa_lm_head.safetensors"  # what FasterDecoding's train.py and TGI use
+WEIGHT_FILES = (WEIGHTS_NAME, MEDUSA_FD_WEIGHTS, "pytorch_model.bin", "medusa_lm_head.pt")
+
+# Below the constants: the submodules import them from here.
+from heads.interop.export import engine_default_aux_layers, export_draft, formats_for  # noqa: E402
+from heads.interop.load import (  # noqa: E402
+    detect_format,
+    import_draft,
+    load_tensors,
+    read_config,
+    weights_file,
+)
+
+__all__ = [
+    "ENGINE_VERSIONS",
+    "FORMATS",
+    "MEDUSA_FD_WEIGHTS",
+    "WEIGHTS_NAME",
+    "WEIGHT_FILES",
+    "detect_format",
+    "engine_default_aux_layers",
+    "export_draft",
+    "formats_for",
+    "import_draft",
+    "load_tensors",
+    "read_config",
+    "weights_file",
+]
