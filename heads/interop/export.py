@@ -53,7 +53,7 @@ def export_draft(head, target, fmt: str, out_dir) -> dict:
                 "--format native."
             )
         raise ValueError(
-            f"a {type(head).__name__} cannot be exported as {fmt!r}; formats that fit it: "
+            f"{type(head).__name__} cannot be exported as {fmt!r}; the formats that fit it: "
             f"{', '.join(fits)}."
         )
     check_target(head.target_info, target, "the head being exported")
