@@ -49,8 +49,8 @@ class DistillConfig:
     """How to regenerate.
 
     prompts: prompt files (or hub datasets) for `data.read_prompts`; an entry is a path, or a
-        mapping {path, skip, max_rows} taking prompts skip .. skip+max_rows of that source
-        (e.g. to leave out prompts an evaluator decodes).
+        mapping {path, skip, max_rows, split} taking prompts skip .. skip+max_rows of that source
+        (e.g. to leave out prompts an evaluator decodes; split: a hub dataset's split).
     out: the conversations JSONL to write (OUT.meta.json and, while running, part files beside).
     temperature: 0 for greedy decoding; > 0 samples (with top_p).
     num_samples: answers per prompt (each its own conversation); with greedy decoding only 1
@@ -98,15 +98,15 @@ class DistillConfig:
 
 
 def _prompt_spec(entry) -> dict:
-    """A prompts entry as {path, skip, max_rows}."""
+    """A prompts entry as {path, skip, max_rows, split}."""
     if isinstance(entry, str):
-        return {"path": entry, "skip": 0, "max_rows": None}
+        return {"path": entry, "skip": 0, "max_rows": None, "split": "train"}
     entry = dict(entry)
-    unknown = set(entry) - {"path", "skip", "max_rows"}
+    unknown = set(entry) - {"path", "skip", "max_rows", "split"}
     if "path" not in entry or unknown:
         raise ValueError(
             f"distill.prompts entry {entry}: give a path, or a mapping with 'path' and optionally "
-            f"'skip' and 'max_rows' (unknown keys: {sorted(unknown)})."
+            f"'skip', 'max_rows' and 'split' (unknown keys: {sorted(unknown)})."
         )
     skip, rows = int(entry.get("skip") or 0), entry.get("max_rows")
     if skip < 0 or (rows is not None and int(rows) < 1):
@@ -115,6 +115,7 @@ def _prompt_spec(entry) -> dict:
         "path": str(entry["path"]),
         "skip": skip,
         "max_rows": None if rows is None else int(rows),
+        "split": str(entry.get("split") or "train"),
     }
 
 
@@ -133,7 +134,8 @@ def work_items(cfg: DistillConfig) -> list[WorkItem]:
     for spec in cfg.prompts:
         source = spec["path"]
         path = resolve_path(source)
-        prompts = read_prompts(str(path) if path.exists() else source)[spec["skip"] :]
+        found = str(path) if path.exists() else source
+        prompts = read_prompts(found, split=spec["split"])[spec["skip"] :]
         limit = spec["max_rows"] if spec["max_rows"] is not None else cfg.max_rows
         name = Path(source).stem if path.exists() else source
         if name == "question" or name in seen:  # e.g. data/corpora/X/question.jsonl

@@ -240,3 +240,18 @@ def test_prompt_entries_take_a_slice_of_their_source(tmp_path):
         config(tmp_path, prompts=[{"path": path, "rows": 2}])
     with pytest.raises(ValueError, match="skip must be >= 0"):
         config(tmp_path, prompts=[{"path": path, "skip": -1}])
+
+
+def test_a_prompt_entry_picks_a_dataset_split(tmp_path):
+    from data.distill import work_items
+
+    folder = tmp_path / "ultrachat_like"
+    (folder / "data").mkdir(parents=True)  # split files named as on the Hub (UltraChat's)
+    for split, row in (
+        ("train_sft", {"id": "s1", "prompt": "Hi"}),
+        ("test_sft", {"id": "t1", "prompt": "Yo"}),
+    ):
+        (folder / "data" / f"{split}-00000-of-00001.jsonl").write_text(json.dumps(row) + "\n")
+    path = str(folder)
+    cfg = config(tmp_path, prompts=[{"path": path, "split": "test_sft"}])
+    assert [item.key for item in work_items(cfg)] == ["ultrachat_like/t1/0"]
