@@ -20,20 +20,12 @@ METRICS = ("tau", "tokens_per_s", "speedup_vs_plain", "greedy_mismatches", "requ
 
 def serve_commands(fmt: str, base: str, repo: str, config: dict) -> list[str]:
     """Shell commands that serve the base model with this draft, per format."""
-    if fmt == "eagle3":
-        spec = json.dumps({"method": "eagle3", "model": repo, "num_speculative_tokens": 4})
+    if fmt in ("eagle3", "eagle"):  # vLLM's method name, SGLang's algorithm name
+        spec = json.dumps({"method": fmt, "model": repo, "num_speculative_tokens": 4})
         return [
             f"vllm serve {base} --speculative-config '{spec}'",
-            f"python -m sglang.launch_server --model-path {base} --speculative-algorithm EAGLE3 "
-            f"--speculative-draft-model-path {repo} --speculative-num-steps 4 "
-            "--speculative-eagle-topk 4 --speculative-num-draft-tokens 16",
-        ]
-    if fmt == "eagle":
-        spec = json.dumps({"method": "eagle", "model": repo, "num_speculative_tokens": 4})
-        return [
-            f"vllm serve {base} --speculative-config '{spec}'",
-            f"python -m sglang.launch_server --model-path {base} --speculative-algorithm EAGLE "
-            f"--speculative-draft-model-path {repo} --speculative-num-steps 4 "
+            f"python -m sglang.launch_server --model-path {base} --speculative-algorithm "
+            f"{fmt.upper()} --speculative-draft-model-path {repo} --speculative-num-steps 4 "
             "--speculative-eagle-topk 4 --speculative-num-draft-tokens 16",
         ]
     if fmt == "medusa":
