@@ -7,8 +7,8 @@ For each conversation it scores the assistant tokens (the training loss mask) un
 target (adapter off) and the adapted one: mean next-token cross-entropy (nats) and perplexity,
 the KL from the original's next-token distribution to the adapted one, and how often the two
 greedy next tokens agree (1.0 means greedy decoding is unchanged on these prefixes). The default
-held-out set is gpteacher roleplay rows 5000-5063 and oasst_en conversations 200-263; neither is
-among the self-distilled default's prompts (it reads the first rows of each file).
+held-out set is gpteacher roleplay rows 1800-1863 and oasst_en conversations 200-263; the default
+recipe (data=smollm2_distilled) trains on neither (it reads the first 40 and 24 rows).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 DEFAULT_SETS = [
-    "data/corpora/gpteacher_roleplay/roleplay-simple-deduped-roleplay-instruct.json:5000:5064",
+    "data/corpora/gpteacher_roleplay/roleplay-simple-deduped-roleplay-instruct.json:1800:1864",
     "data/corpora/oasst_en/conversations.jsonl:200:264",
 ]
 
