@@ -4,8 +4,9 @@
 writes `out/` with `config.json`, one `model.safetensors` (heads.interop lays out each format), a
 model card `README.md` and, when a benchmark run is given, its plots. Before `out/` appears, the
 folder is re-imported and decoded greedily on a few prompts next to the in-memory head: both must
-give the same tokens and the same acceptance length tau, or the export fails and nothing is left
-at `out`. `push=REPO` then uploads the folder (eval/hub.py).
+give the same tokens and the same accept length at every step (so the same tau), or the export
+fails and `out` is left as it was (heads.base.atomic_save_dir swaps the folder in at the end).
+`push=REPO` then uploads the folder (eval/hub.py).
 
 This step needs the harness (eval/), so it sits after eval rather than between train and eval
 as DESIGN.md drew it; `train.py` calls it at the end of a run when `export.formats` is set.
@@ -25,6 +26,9 @@ import yaml
 from data.paths import resolve_path
 from eval.hooks import TauEvaluator
 from eval.model_card import render_model_card
+from heads.base import atomic_save_dir
+from train.run import DATA_STATS
+from train.selection import BEST_FILE, kept_head
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +54,9 @@ def find_head(source: str | Path) -> tuple[Path, Path | None]:
     if (source / "config.json").is_file():
         run = source.parent if (source.parent / "config.yaml").is_file() else None
         return source, run
-    for name in ("best_head", "head"):
-        if (source / name / "config.json").is_file():
-            return source / name, source
+    head = kept_head(source)
+    if head is not None:
+        return head, source
     raise FileNotFoundError(
         f"{source}: neither a head folder (config.json) nor a run dir with best_head/ or head/; "
         "give the folder train.py wrote (outputs/<date>/<time>) or a head folder in it."
@@ -66,7 +70,7 @@ def run_context(run_dir: Path | None) -> dict:
         return context
     if (run_dir / "config.yaml").is_file():
         context["config"] = yaml.safe_load((run_dir / "config.yaml").read_text())
-    for name in ("data_stats.json", "best.json"):
+    for name in (DATA_STATS, BEST_FILE):
         if (run_dir / name).is_file():
             context[Path(name).stem] = json.loads((run_dir / name).read_text())
     return context
@@ -83,9 +87,8 @@ def round_trip(head, target, imported, imported_target, prompts: int, max_new_to
     the same accepted length at every step and so the same tau, or raise ExportCheckError.
     (Greedy output is the target's whatever the draft, so the tokens alone prove little; the
     per-step accept lengths are what a mis-mapped draft changes.)"""
-    evaluator = TauEvaluator(
-        CHECK_PROMPTS, limit=prompts, max_new_tokens=max_new_tokens, tree=check_tree(head)
-    )
+    tree = check_tree(head)
+    evaluator = TauEvaluator(CHECK_PROMPTS, limit=prompts, max_new_tokens=max_new_tokens, tree=tree)
     ours = evaluator.decode(head, target)
     theirs = evaluator.decode(imported, imported_target)
     tau_head, tau_export = evaluator.tau_of(ours)["tau"], evaluator.tau_of(theirs)["tau"]
@@ -101,7 +104,7 @@ def round_trip(head, target, imported, imported_target, prompts: int, max_new_to
     return {
         "prompts": prompts,
         "max_new_tokens": max_new_tokens,
-        "tree": str(check_tree(head)),
+        "tree": str(tree),
         "tau_head": tau_head,
         "tau_export": tau_export,
     }
@@ -137,24 +140,23 @@ def export_draft(
     context = run_context(run_dir)
     target = target if target is not None else _load_target(head_dir, context)
     head = heads.from_pretrained(head_dir, target).eval()
-    staging = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        config = interop.export_draft(head, target, fmt, staging)
-        imported, imported_target = _reimport(staging, fmt, target, head_dir, context)
+    found: dict = {}
+
+    def write(folder: Path) -> None:  # into a temporary folder, moved to `out` only at the end
+        config = interop.export_draft(head, target, fmt, folder)
+        imported, imported_target = _reimport(folder, fmt, target, head_dir, context)
         check = round_trip(head, target, imported, imported_target, check_prompts, check_tokens)
         summary = _bench_summary(bench)
-        plots = _copy_plots(Path(resolve_path(bench)), staging) if summary else []
+        plots = _copy_plots(Path(resolve_path(bench)), folder) if summary else []
         card = render_model_card(
             head, target, fmt, config, context, check, summary, repo=push, plots=plots
         )
-        (staging / "README.md").write_text(card)
-        (staging / "export.json").write_text(json.dumps({"format": fmt, "check": check}, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        (folder / "README.md").write_text(card)
+        (folder / "export.json").write_text(json.dumps({"format": fmt, "check": check}, indent=2))
+        found.update(config=config, check=check)
+
+    atomic_save_dir(out, write)
+    config, check = found["config"], found["check"]
     log.info("exported %s as %s to %s (round trip tau %.3f)", head_dir, fmt, out, check["tau_head"])
     result = ExportResult(out=out, format=fmt, config=config, check=check)
     if push:

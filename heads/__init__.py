@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-from heads.base import CONFIG_NAME, DraftHead, HeadMismatchError, LossOutput, read_head_config
+from heads.base import (
+    DraftHead,
+    HeadMismatchError,
+    LossOutput,
+    is_foreign_head,
+    read_head_config,
+)
 from heads.eagle import EagleConfig, EagleHead
 from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.medusa import MedusaConfig, MedusaHeads
@@ -35,8 +40,7 @@ def from_pretrained(path: str | os.PathLike, target) -> DraftHead:
     A folder in a serving engine's layout (no "method" key) goes through heads.interop; a Hub
     repo id ("owner/name", not a local path) is downloaded first."""
     path = hub_snapshot(path)
-    cfg_file = Path(path) / CONFIG_NAME
-    if cfg_file.is_file() and "method" not in json.loads(cfg_file.read_text()):
+    if is_foreign_head(path):
         from heads.interop import import_draft  # imported here: interop imports this package
 
         return import_draft(path, target)

@@ -143,6 +143,13 @@ def save_head(
     atomic_save_dir(path, write)
 
 
+def is_foreign_head(path: str | os.PathLike) -> bool:
+    """True for a folder whose config.json was not written by draftsmith (no "method" key): a
+    serving engine's layout, for heads.interop to import."""
+    cfg_file = Path(path) / CONFIG_NAME
+    return cfg_file.is_file() and "method" not in json.loads(cfg_file.read_text())
+
+
 def read_head_config(path: str | os.PathLike) -> dict:
     path = Path(path)
     cfg_file = path / CONFIG_NAME

@@ -66,7 +66,7 @@ def test_export_writes_a_proved_folder_and_a_card(fmt, target, tmp_path):
     out = tmp_path / "out"
     result = export_draft(run, fmt, out, target=target, check_prompts=2, check_tokens=8)
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
-    assert not list(tmp_path.glob(".out.partial*"))
+    assert not list(tmp_path.glob(".out.*"))
     umask = os.umask(0)
     os.umask(umask)  # readable like any file the user writes (mkdtemp alone would give 0700)
     assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o666 & ~umask
@@ -113,7 +113,7 @@ def test_a_folder_that_decodes_differently_is_not_written(tokenizer, tmp_path, m
     out = tmp_path / "out"
     with pytest.raises(ExportCheckError, match="decodes differently"):
         export_draft(run, "medusa", out, target=target, check_prompts=2, check_tokens=8)
-    assert not out.exists() and not list(tmp_path.glob(".out.partial*"))
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))
 
 
 def test_medusa_export_with_a_benchmark_in_the_card(target, tmp_path):

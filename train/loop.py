@@ -43,13 +43,12 @@ from train.config import TrainerConfig, resolve_mixed_precision
 from train.features import batch_features
 from train.optim import build_optimizer, build_scheduler, trainable_parameters
 from train.sampling import count_steps, epoch_batches, make_loader
-from train.selection import BestKeeper, Evaluator, run_evaluators
+from train.selection import HEAD_DIR, BestKeeper, Evaluator, run_evaluators
 from train.tracking import Tracker
 from train.validation import add_stats, evaluate_head, reduce_stats
 
 log = logging.getLogger(__name__)
 
-HEAD_DIR = "head"
 Callback = Callable[[TrainState], bool | None]  # return True to stop after this step
 
 

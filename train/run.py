@@ -33,11 +33,12 @@ from data.dataset import (
 from data.feature_cache import default_cache_dir, examples_sha1, open_or_build_feature_cache
 from data.features import LazyFeatureDataset
 from data.paths import cache_root, resolve_path
-from heads.base import WEIGHTS_NAME, load_head_tensors, warm_start
+from heads.base import CONFIG_NAME, WEIGHTS_NAME, is_foreign_head, load_head_tensors, warm_start
 from heads.target import Target, load_target
 from heads.vocab import count_tokens
 from train.config import TrainerConfig
 from train.loop import TrainResult, train
+from train.selection import BEST_FILE, kept_head
 from train.tracking import Tracker, env_rank
 
 log = logging.getLogger(__name__)
@@ -197,11 +198,11 @@ DATA_STATS = "data_stats.json"  # the training data's size, for model cards
 def _log_final_head(tracker: Tracker, run_dir: Path, method: str) -> None:
     """The head the run keeps (best_head when an evaluator chose one, else head) as a W&B
     model artifact, with the run's data size and best metric as metadata."""
-    chosen = run_dir / "best_head" if (run_dir / "best_head").is_dir() else run_dir / "head"
-    if not chosen.is_dir():
+    chosen = kept_head(run_dir)
+    if chosen is None:
         return
     meta = {"method": method, "folder": chosen.name}
-    for name in (DATA_STATS, "best.json"):
+    for name in (DATA_STATS, BEST_FILE):
         if (run_dir / name).is_file():
             meta[Path(name).stem] = json.loads((run_dir / name).read_text())
     tracker.log_artifact(chosen, name=f"{method}-head", type="model", metadata=meta)
@@ -212,12 +213,10 @@ def init_head_weights(head, path: str, target: Target | None = None) -> None:
     folder gives its tensors as saved; a serving-engine layout (heads/interop/) is imported
     onto `target` first. A head's own `init_from` decides which part takes them (Medusa-2: its
     heads)."""
-    config = Path(path) / "config.json"
-    native = config.is_file() and "method" in json.loads(config.read_text())
-    if native and (Path(path) / WEIGHTS_NAME).is_file():
-        tensors = load_head_tensors(path)
-    elif config.is_file() and not native and target is not None:
+    if is_foreign_head(path) and target is not None:
         tensors = heads.from_pretrained(path, target).state_dict()
+    elif (Path(path) / CONFIG_NAME).is_file() and (Path(path) / WEIGHTS_NAME).is_file():
+        tensors = load_head_tensors(path)
     else:
         raise FileNotFoundError(
             f"init_from={path}: no head there (config.json and {WEIGHTS_NAME}); give a head folder."

@@ -16,11 +16,21 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from heads.base import atomic_save_dir
+from heads.base import CONFIG_NAME, atomic_save_dir
 
 Evaluator = Callable[[Any, Any], Mapping[str, float]]
 BEST_DIR = "best_head"
 BEST_FILE = "best.json"
+HEAD_DIR = "head"  # where the loop saves the final head
+
+
+def kept_head(run_dir: str | Path) -> Path | None:
+    """The head a run keeps: best_head when an evaluator chose one, else the final head; None
+    when the run saved neither."""
+    for name in (BEST_DIR, HEAD_DIR):
+        if (Path(run_dir) / name / CONFIG_NAME).is_file():
+            return Path(run_dir) / name
+    return None
 
 
 def run_evaluators(evaluators: Sequence[Evaluator], head, target) -> dict[str, float]:
