@@ -3,15 +3,19 @@
 Also under Accelerate: accelerate launch [--config_file conf/accelerate/ddp.yaml] train.py ...
 With `export.formats=[eagle3]` (and optionally `export.push_to_hub=USER/REPO`) the kept head is
 exported at the end (eval/export.py: the folder is proved by a round trip before it is written).
+A bad setting or bad data prints one line with the fix (exit status 2; HYDRA_FULL_ERROR=1 shows
+the traceback).
 """
 
 import hydra
 from omegaconf import DictConfig
 
 import train
+from train.cli import report_user_errors
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
+@report_user_errors
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 

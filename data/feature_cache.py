@@ -13,9 +13,11 @@ so a reader never sees half a shard and concurrent writers of the same shard are
 
 Inside a shard, examples are concatenated along tokens (``offsets`` ``[E + 1]`` marks their
 bounds). Features are stored as ``"hidden"`` ``[N, H]`` / ``"aux"`` ``[N, k*H]`` in float16,
-bfloat16 or float32, or as int8 with one symmetric scale per token (``"hidden.q"`` ``[N, H]``
-int8 and ``"hidden.scale"`` ``[N]`` float32). ``FeatureCacheDataset`` dequantises on read: the
-rest of the code only ever sees float ``"hidden"`` / ``"aux"``.
+bfloat16 or float32 (a value past float16's 65504 is refused, not stored as inf: see
+``data.features.to_feature_dtype``), or as int8 with one symmetric scale per token
+(``"hidden.q"`` ``[N, H]`` int8 and ``"hidden.scale"`` ``[N]`` float32).
+``FeatureCacheDataset`` dequantises on read: the rest of the code only ever sees float
+``"hidden"`` / ``"aux"``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from data.dataset import FEATURE_KEYS, Example
+from data.errors import FeatureRangeError
 from data.features import META_KEY, FeatureCacheMismatch, compute_features, feature_meta
 from data.paths import atomic_write, cache_root, tmp_marker
 
@@ -268,14 +271,17 @@ def _write_shards(examples, target, cache_dir, metas, todo, batch_tokens, progre
         dtype = meta["dtype"]
         # int8 is quantised from float32; the float dtypes are cast once, like the memory cache.
         compute_dtype = torch.float32 if dtype == "int8" else getattr(torch, dtype)
-        features = compute_features(
-            examples[meta["first"] : meta["last"] + 1],
-            target,
-            meta["layers"],
-            batch_tokens=batch_tokens,
-            dtype=compute_dtype,
-            progress=False,
-        )
+        try:  # refuses features the dtype cannot hold, before any shard of them is written
+            features = compute_features(
+                examples[meta["first"] : meta["last"] + 1],
+                target,
+                meta["layers"],
+                batch_tokens=batch_tokens,
+                dtype=compute_dtype,
+                progress=False,
+            )
+        except FeatureRangeError as err:
+            raise FeatureRangeError(f"feature cache {cache_dir}, shard {s}: {err}") from None
         tensors = _shard_tensors(features, dtype)
         path = os.path.join(cache_dir, shard_file(s))
         metadata = {META_KEY: json.dumps(meta)}

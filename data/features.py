@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from data.dataset import FEATURE_KEYS, SEQUENCE_KEYS, Example, collate
+from data.errors import FeatureRangeError
 from data.paths import atomic_write
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,27 @@ META_KEY = "draftsmith"
 
 class FeatureCacheMismatch(ValueError):
     """A feature file built for another target, layer set or format."""
+
+
+def to_feature_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, refusing values ``dtype`` cannot hold (float16 turns anything past
+    65504 into inf, and every loss into NaN) and features that are inf/NaN already."""
+    if x.numel() == 0:
+        return x.to(dtype)
+    if not bool(x.isfinite().all()):
+        raise FeatureRangeError(
+            "the target's hidden states hold inf/NaN (its own dtype overflowed): load the "
+            "target in a wider dtype (model.dtype=float32 or bfloat16)."
+        )
+    peak = float(x.abs().max())
+    if dtype.is_floating_point and peak > torch.finfo(dtype).max:
+        name = str(dtype).removeprefix("torch.")
+        raise FeatureRangeError(
+            f"the target's hidden states reach {peak:.3g}, beyond {name}'s range "
+            f"({torch.finfo(dtype).max:.5g}): set data.feature_dtype=bfloat16 (the same size, "
+            "float32's range) or float32."
+        )
+    return x.to(dtype)
 
 
 def length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
@@ -89,9 +111,11 @@ def compute_features(
             length = len(examples[i]["input_ids"])
             example = dict(examples[i])
             # clone() so each example owns its memory instead of a view of the whole batch.
-            example["hidden"] = out["hidden"][row, :length].to("cpu", dtype).clone()  # (T, H)
+            hidden = to_feature_dtype(out["hidden"][row, :length], dtype)
+            example["hidden"] = hidden.to("cpu").clone()  # (T, H)
             if layers:
-                example["aux"] = out["aux"][row, :length].to("cpu", dtype).clone()  # (T, kH)
+                aux = to_feature_dtype(out["aux"][row, :length], dtype)
+                example["aux"] = aux.to("cpu").clone()  # (T, kH)
             results[i] = example
             tokens += length
         if bar is not None:
@@ -224,6 +248,6 @@ class LazyFeatureDataset(torch.utils.data.Dataset):
             cached = dict(example)
             for key in FEATURE_KEYS:
                 if key in out and (key == "hidden" or self.layers):
-                    cached[key] = out[key][0].to("cpu", self.dtype).clone()  # (T, ...)
+                    cached[key] = to_feature_dtype(out[key][0], self.dtype).to("cpu").clone()
             self._cache[index] = cached
         return self._cache[index]

@@ -27,8 +27,7 @@ from data.paths import resolve_path
 from eval.hooks import TauEvaluator
 from eval.model_card import render_model_card
 from heads.base import atomic_save_dir
-from train.run import DATA_STATS
-from train.selection import BEST_FILE, kept_head
+from train.rundir import BEST_FILE, CONFIG_FILE, DATA_STATS, kept_head, load_target_config
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ def find_head(source: str | Path) -> tuple[Path, Path | None]:
     """(head folder, run dir or None) for a run dir (best_head, else head) or a head folder."""
     source = Path(resolve_path(source))
     if (source / "config.json").is_file():
-        run = source.parent if (source.parent / "config.yaml").is_file() else None
+        run = source.parent if (source.parent / CONFIG_FILE).is_file() else None
         return source, run
     head = kept_head(source)
     if head is not None:
@@ -68,8 +67,8 @@ def run_context(run_dir: Path | None) -> dict:
     context: dict = {}
     if run_dir is None:
         return context
-    if (run_dir / "config.yaml").is_file():
-        context["config"] = yaml.safe_load((run_dir / "config.yaml").read_text())
+    if (run_dir / CONFIG_FILE).is_file():
+        context["config"] = yaml.safe_load((run_dir / CONFIG_FILE).read_text())
     for name in (DATA_STATS, BEST_FILE):
         if (run_dir / name).is_file():
             context[Path(name).stem] = json.loads((run_dir / name).read_text())
@@ -169,14 +168,12 @@ def export_draft(
 def _load_target(head_dir: Path, context: dict):
     """The target the head was trained on: the run's model config, else the head's record."""
     from heads.base import read_head_config
-    from heads.target import TargetConfig, load_target
 
     model = dict(context.get("config", {}).get("model") or {})
-    model.pop("_target_", None)
     if not model:
         name = read_head_config(head_dir).get("target", {}).get("name_or_path")
         model = {"name_or_path": _embedded_alias(name)}
-    return load_target(TargetConfig(**model))
+    return load_target_config(model)
 
 
 def _embedded_alias(name: str | None) -> str:

@@ -8,10 +8,13 @@ garbage and looks like a bad head rather than a bad load.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import errno
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +23,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
+
+from data.errors import NonFiniteError
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -93,24 +98,93 @@ def check_target(saved: TargetInfo, target: Any, path: str | os.PathLike) -> Non
 
 
 def atomic_save_dir(path: str | os.PathLike, write: Any) -> Path:
-    """Call `write(tmp_dir)` then move tmp_dir to `path` in one rename (old `path` replaced)."""
+    """Call `write(tmp_dir)`, make it durable, then put it at `path` in one step.
+
+    The folder is filled under a temporary name beside `path` and its files fsynced, so `path`
+    holds either the whole old folder or the whole new one, never a mix. An existing `path` is
+    swapped with the new folder atomically where the OS can (Linux renameat2); elsewhere it is
+    moved aside first, and an interrupted swap is undone by the next call (see
+    `restore_interrupted_swap`).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    restore_interrupted_swap(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         write(tmp)
         _usual_permissions(tmp)
-        if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+        _fsync_tree(tmp)
+        if not path.exists():
+            os.replace(tmp, path)
+        elif _exchange(tmp, path):  # tmp now holds the old folder
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            old = path.with_name(f".{path.name}{_OLD_MARK}{os.getpid()}")
             os.replace(path, old)
             os.replace(tmp, path)
             shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
+        _fsync_dir(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+_OLD_MARK = ".old-"  # `.<name>.old-<pid>`: the old folder, moved aside during a swap
+
+
+def restore_interrupted_swap(path: str | os.PathLike) -> bool:
+    """Put back the old folder of a swap that was killed between its two renames (only where
+    `_exchange` is unsupported); True if one was restored."""
+    path = Path(path)
+    if path.exists() or not path.parent.is_dir():
+        return False
+    moved = sorted(path.parent.glob(f".{path.name}{_OLD_MARK}*"), key=lambda p: p.stat().st_mtime)
+    if not moved:
+        return False
+    os.replace(moved[-1], path)
+    return True
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one atomic step (Linux `renameat2(RENAME_EXCHANGE)`);
+    False where the OS, libc or filesystem cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _fsync_tree(folder: Path) -> None:
+    """fsync every file under `folder`, then the folders themselves (deepest first)."""
+    folders = [folder]
+    for item in sorted(folder.rglob("*")):
+        if item.is_dir():
+            folders.append(item)
+        else:
+            with open(item, "rb") as f:
+                os.fsync(f.fileno())
+    for item in reversed(folders):
+        _fsync_dir(item)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # a platform that cannot open folders (Windows)
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _usual_permissions(folder: Path) -> None:
@@ -124,10 +198,25 @@ def _usual_permissions(folder: Path) -> None:
         item.chmod((0o777 if item.is_dir() else 0o666) & ~umask)
 
 
+def check_finite(tensors: dict[str, Tensor], path: str | os.PathLike) -> None:
+    """Refuse to write weights holding inf/NaN: such a head drafts garbage and hides why."""
+    bad = [name for name, t in tensors.items() if t.is_floating_point() and not t.isfinite().all()]
+    if bad:
+        raise NonFiniteError(
+            f"refusing to save {path}: {len(bad)} tensor(s) hold inf/NaN ({', '.join(bad[:3])}); "
+            "training diverged or its features overflowed: lower trainer.lr or set "
+            "data.feature_dtype=bfloat16, and train again."
+        )
+
+
 def save_head(
     path: str | os.PathLike, method: str, config: Any, target: TargetInfo, tensors: dict
 ) -> None:
-    """Write a head folder atomically: config.json (method, config, target) + model.safetensors."""
+    """Write a head folder atomically: config.json (method, config, target) + model.safetensors.
+
+    Identical weights give byte-identical files (sorted JSON and safetensors metadata), so two
+    heads can be compared by hash. Weights holding inf/NaN are refused (NonFiniteError).
+    """
     doc = {
         "method": method,
         "draftsmith_version": "0.1.0",
@@ -135,12 +224,32 @@ def save_head(
         "target": dataclasses.asdict(target),
     }
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    check_finite(tensors, path)
 
     def write(tmp: Path) -> None:
         (tmp / CONFIG_NAME).write_text(json.dumps(doc, indent=2) + "\n")
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "method": method})
+        save_safetensors(tensors, tmp / WEIGHTS_NAME, {"format": "pt", "method": method})
 
     atomic_save_dir(path, write)
+
+
+def save_safetensors(tensors: dict[str, Tensor], path: str | os.PathLike, metadata: dict) -> None:
+    """`safetensors.torch.save_file` with the metadata in sorted order: the library writes it
+    in hash-map order, which differs between processes, so equal weights gave unequal files.
+    The header is rewritten in place; sorting keeps its length."""
+    save_file(tensors, str(path), metadata=metadata)
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        raw = f.read(size)
+        header = json.loads(raw)
+        meta = header.pop("__metadata__", None)
+        if meta is not None:
+            header = {"__metadata__": dict(sorted(meta.items())), **header}
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) > size:
+            raise RuntimeError(f"{path}: safetensors header grew when sorted (a bug)")
+        f.seek(8)
+        f.write(text.ljust(size, b" "))
 
 
 def is_foreign_head(path: str | os.PathLike) -> bool:

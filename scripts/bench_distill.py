@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 
 def main() -> None:
@@ -35,12 +34,9 @@ def main() -> None:
     from data.distill import DistillConfig, distill
     from data.formats import read_prompts
     from data.paths import resolve_path
-    from heads.target import TargetConfig, load_target
+    from train.rundir import load_conf_target
 
-    model_cfg = OmegaConf.load(resolve_path(f"conf/model/{args.model}.yaml"))
-    fields = OmegaConf.to_container(model_cfg, resolve=True)  # ${oc.env:...} cache_dir included
-    fields = {k: v for k, v in fields.items() if k != "_target_"}
-    target = load_target(TargetConfig(**fields))
+    target = load_conf_target(args.model)
     prompts = read_prompts(str(resolve_path(args.prompts_file)))[: args.prompts]
     results = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -20,8 +20,8 @@ from omegaconf import OmegaConf
 import heads
 from eval.tree import expected_acceptance_paths
 from eval.tree_fit import rank_accuracy
-from heads.target import TargetConfig, load_target
 from train.run import prepare_data
+from train.rundir import CONFIG_FILE, HEAD_DIR, load_target_config
 
 
 def main() -> None:
@@ -40,10 +40,9 @@ def main() -> None:
         "--head", type=Path, default=None, help="head folder (default RUN_DIR/head)"
     )
     args = parser.parse_args()
-    cfg = OmegaConf.load(args.run_dir / "config.yaml")
-    model_cfg = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "_target_"}
-    target = load_target(TargetConfig(**model_cfg))
-    head = heads.from_pretrained(args.head or args.run_dir / "head", target).eval()
+    cfg = OmegaConf.load(args.run_dir / CONFIG_FILE)
+    target = load_target_config(OmegaConf.to_container(cfg.model, resolve=True))
+    head = heads.from_pretrained(args.head or args.run_dir / HEAD_DIR, target).eval()
     data = prepare_data(cfg.data, target)
     accuracy = rank_accuracy(head, target, data.val, args.max_rank, args.against)
     out = args.out or args.run_dir / "conf" / "tree"

@@ -18,7 +18,6 @@ import json
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 DEFAULT_SETS = [
     "data/corpora/gpteacher_roleplay/roleplay-simple-deduped-roleplay-instruct.json:1800:1864",
@@ -75,14 +74,10 @@ def main() -> None:
 
     import heads
     from data.dataset import build_examples
-    from data.paths import resolve_path
     from heads.medusa2 import Medusa2Head
-    from heads.target import TargetConfig, load_target
+    from train.rundir import load_conf_target
 
-    fields = OmegaConf.to_container(
-        OmegaConf.load(resolve_path(f"conf/model/{args.model}.yaml")), resolve=True
-    )
-    target = load_target(TargetConfig(**{k: v for k, v in fields.items() if k != "_target_"}))
+    target = load_conf_target(args.model)
     head = heads.from_pretrained(args.head, target)
     if not isinstance(head, Medusa2Head):
         raise SystemExit(f"{args.head} holds a {head.method} head: give a Medusa-2 head folder.")

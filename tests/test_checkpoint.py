@@ -142,6 +142,7 @@ def test_keep_last_prunes_old_checkpoints(target, tmp_path):
     files = sorted(p.name for p in result.checkpoint.iterdir())
     assert files == sorted(
         [ckpt.HEAD_FILE, ckpt.OPTIMIZER_FILE, ckpt.SCHEDULER_FILE, ckpt.RNG_FILE, ckpt.STATE_FILE]
+        + [ckpt.RUN_FILE, ckpt.MANIFEST_FILE]
     )
     loaded = ckpt.load_checkpoint(result.checkpoint)
     assert loaded.state.step == 4 and len(loaded.rng) == 1
@@ -200,3 +201,135 @@ def test_killed_process_resumes_to_the_same_weights(target, tmp_path):
             val_dataset=val_set,
         ).fit()
     assert_same_weights(heads["straight"], heads["resumed"])
+
+
+# ---- damaged checkpoints (resume=auto must not trust them) ----------------------------------
+
+
+def save_tiny_checkpoint(run_dir, step: int) -> Path:
+    return ckpt.save_checkpoint(
+        run_dir,
+        ckpt.TrainState(step=step),
+        head={"w": torch.ones(4)},
+        optimizer={"state": {}, "param_groups": []},
+        scheduler={"last_epoch": step},
+        rng=[ckpt.capture_rng_state()],
+    )
+
+
+@pytest.mark.parametrize(
+    "name", [ckpt.HEAD_FILE, ckpt.OPTIMIZER_FILE, ckpt.SCHEDULER_FILE, ckpt.RNG_FILE]
+)
+def test_a_truncated_file_makes_a_checkpoint_damaged(tmp_path, name):
+    path = save_tiny_checkpoint(tmp_path, 2)
+    assert ckpt.checkpoint_problems(path) == []
+    data = (path / name).read_bytes()
+    (path / name).write_bytes(data[: len(data) // 2])
+    assert ckpt.checkpoint_problems(path) == [f"{name} has {len(data) // 2} bytes, not {len(data)}"]
+    with pytest.raises(ckpt.CheckpointError, match="trainer.resume=never"):
+        ckpt.load_checkpoint(path)
+
+
+def test_an_empty_state_file_makes_a_checkpoint_damaged(tmp_path):
+    path = save_tiny_checkpoint(tmp_path, 2)
+    size = (path / ckpt.STATE_FILE).stat().st_size
+    (path / ckpt.STATE_FILE).write_text("")
+    assert ckpt.checkpoint_problems(path) == [f"{ckpt.STATE_FILE} has 0 bytes, not {size}"]
+    assert ckpt.latest_checkpoint(tmp_path) == path  # listed, yet not trusted by resume
+    (path / ckpt.MANIFEST_FILE).unlink()  # as a checkpoint older than manifests would be
+    assert ckpt.checkpoint_problems(path) == [f"{ckpt.STATE_FILE} is missing or empty"]
+
+
+def test_resume_falls_back_to_the_newest_intact_checkpoint(target, tmp_path, caplog):
+    straight, _ = run(target, tmp_path / "straight")
+    run(target, tmp_path / "r", stop_at=5)  # checkpoints step_3 (save_every) and step_5 (stop)
+    root = ckpt.checkpoint_root(tmp_path / "r")
+    head_file = root / "step_5" / ckpt.HEAD_FILE
+    head_file.write_bytes(head_file.read_bytes()[:40])  # a power cut during the copy
+
+    with caplog.at_level("WARNING", logger="train.resume"):
+        resumed, result = run(target, tmp_path / "r")
+    assert result.step == 6
+    assert_same_weights(straight, resumed)
+    warning = next(r.getMessage() for r in caplog.records if "damaged" in r.getMessage())
+    assert "step_5" in warning and "resuming from step_3" in warning
+    assert (root / "damaged_step_5").is_dir()  # kept for inspection, out of pruning's way
+
+
+def test_resume_without_an_intact_checkpoint_says_what_to_do(target, tmp_path):
+    run(target, tmp_path, stop_at=3)
+    state = ckpt.checkpoint_root(tmp_path) / "step_3" / ckpt.STATE_FILE
+    state.write_text("")
+    with pytest.raises(ckpt.CheckpointError, match=r"no intact checkpoint .*step_3.*resume=never"):
+        run(target, tmp_path)
+
+
+def test_an_explicit_damaged_checkpoint_is_refused(target, tmp_path):
+    run(target, tmp_path / "a", stop_at=3)
+    path = ckpt.checkpoint_root(tmp_path / "a") / "step_3"
+    (path / ckpt.RNG_FILE).write_bytes(b"")
+    with pytest.raises(ckpt.CheckpointError, match="the checkpoint is damaged"):
+        run(target, tmp_path / "b", resume=str(path))
+
+
+# ---- changed settings on resume -------------------------------------------------------------
+
+
+def test_resume_refuses_a_changed_learning_rate(target, tmp_path):
+    run(target, tmp_path, stop_at=3, lr=1e-2)
+    with pytest.raises(ckpt.CheckpointError, match=r"trainer\.lr: 0\.01 -> 0\.02.*allow_config"):
+        run(target, tmp_path, lr=2e-2)
+
+
+def test_allowed_change_applies_the_new_learning_rate(target, tmp_path, caplog):
+    from train.optim import lr_multiplier
+
+    run(target, tmp_path, stop_at=3, lr=1e-2)
+    cfg = TrainerConfig(
+        lr=2e-2, warmup_steps=2, max_steps=6, batch_size=2, grad_accum=2, save_every=3,
+        progress=False, allow_config_change=True,
+    )  # fmt: skip
+    trainer = Trainer(
+        DummyHead(dropout=0.1),
+        cfg,
+        tmp_path,
+        train_dataset=make_examples(10),
+        collate_fn=collate_with_ids,
+        target=target,
+    )
+    with caplog.at_level("WARNING", logger="train.resume"):
+        trainer.resume()
+    assert trainer.scheduler.base_lrs == [2e-2, 2e-2]
+    want = 2e-2 * lr_multiplier(3, warmup=2, total=6)
+    assert [g["lr"] for g in trainer.optimizer.param_groups] == pytest.approx([want, want])
+    assert any("trainer.lr: 0.01 -> 0.02" in r.getMessage() for r in caplog.records)
+
+
+def test_cadence_and_length_changes_are_applied_and_logged(target, tmp_path, caplog):
+    run(target, tmp_path, stop_at=3)
+    with caplog.at_level("INFO", logger="train.resume"):
+        _, result = run(target, tmp_path, max_steps=8, log_every=2, save_every=4)
+    assert result.step == 8
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("trainer.max_steps: 6 -> 8" in m for m in messages)
+    assert any("trainer.log_every: 1 -> 2" in m for m in messages)
+
+
+def test_another_head_or_data_is_refused(target, tmp_path):
+    from train.loop import train
+
+    def once(run_config, data_sha1, **overrides):
+        cfg = TrainerConfig(lr=1e-2, max_steps=4, batch_size=2, save_every=2, progress=False,
+                            **overrides)  # fmt: skip
+        return train(
+            DummyHead(), target, make_examples(6), None, collate_with_ids, cfg, tmp_path,
+            callbacks=[lambda s: s.step == 2], run_config=run_config, data_sha1=data_sha1,
+        )  # fmt: skip
+
+    once({"head": {"num_heads": 2}}, "a" * 40)
+    assert (tmp_path / "config.yaml").is_file()
+    with pytest.raises(ckpt.CheckpointError, match="head.num_heads: 2 -> 3"):
+        once({"head": {"num_heads": 3}}, "a" * 40, allow_config_change=True)
+    with pytest.raises(ckpt.CheckpointError, match=r"training data \(sha1 aaaa"):
+        once({"head": {"num_heads": 2}}, "b" * 40)
+    assert "num_heads: 2" in (tmp_path / "config.yaml").read_text()  # the refused run wrote none

@@ -294,3 +294,24 @@ def test_run_builds_train_and_val_caches(tiny_llama, tmp_path, monkeypatch):
     assert len(train_set) == 7 and len(val_set) == 0 and "aux" not in train_set[6]
     with pytest.raises(ValueError, match="features=disk"):
         feature_datasets(data, tiny_llama, None, OmegaConf.merge(cfg, {"features": "memory"}))
+
+
+# ---- values outside the dtype's range ------------------------------------------------------
+
+
+def test_a_cache_refuses_features_past_float16s_range(tiny_llama, tmp_path):
+    from data.errors import FeatureRangeError
+
+    with torch.no_grad():  # activations of this size exist in real targets (massive activations)
+        tiny_llama.model.model.embed_tokens.weight.mul_(1e5)
+        tiny_llama.model.model.norm.weight.mul_(1e5)
+    examples, layers = make_examples(), [0, 1]
+    with pytest.raises(FeatureRangeError, match=r"shard 0: .*beyond float16's range.*bfloat16"):
+        build(examples, tiny_llama, tmp_path / "f16", layers=layers, dtype="float16")
+    assert not [n for n in os.listdir(tmp_path / "f16") if n.endswith(".safetensors")]
+    build(examples, tiny_llama, tmp_path / "bf16", layers=layers, dtype="bfloat16")
+    cache = FeatureCacheDataset(
+        tmp_path / "bf16", examples, expected(tiny_llama, layers, "bfloat16")
+    )
+    hidden = torch.cat([cache[i]["hidden"] for i in range(len(cache))]).float()
+    assert hidden.abs().max() > 65504 and bool(hidden.isfinite().all())

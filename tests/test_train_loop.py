@@ -3,6 +3,8 @@ accumulation, features, validation and tracking. Each test runs in well under a 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 
 import pytest
@@ -245,3 +247,110 @@ def test_wandb_offline_records_artifact_plots_and_report(tmp_path, monkeypatch):
     assert b"eagle3-head" in records  # the artifact, by name
     assert b"bench/tau" in records  # the plot, logged as an image under its key
     assert (run_dir / "files" / "report.md").read_text() == "# report\n"
+
+
+# ---- non-finite numbers stop the run; no NaN head is ever written ---------------------------
+
+
+def overflowing_target(scale: float = 1e5):
+    """make_target() whose hidden states (after the final norm too) pass float16's 65504."""
+    target = make_target()
+    with torch.no_grad():
+        target.model.model.embed_tokens.weight.mul_(scale)
+        target.model.model.norm.weight.mul_(scale)
+    return target
+
+
+def test_a_non_finite_loss_stops_the_run_and_saves_nothing(target, tmp_path):
+    from data.errors import NonFiniteError
+
+    examples = make_examples(4)
+    cached = []
+    for e in examples:
+        hidden = torch.zeros(len(e["input_ids"]), 32)
+        hidden[0, 0] = float("inf")  # what float16 features of a too-large activation hold
+        cached.append({**e, "hidden": hidden})
+    cfg = config(batch_size=2, max_steps=3, save_every=1)
+    with pytest.raises(NonFiniteError, match=r"step 1: the gradient norm is (nan|inf).*bfloat16"):
+        train(DummyHead(), None, cached, None, collate_with_ids, cfg, tmp_path)
+    assert not (tmp_path / "head").exists() and not (tmp_path / "checkpoints").exists()
+
+    class NaNLoss(DummyHead):  # a NaN loss whose gradients stay finite
+        def loss(self, batch, features):
+            out = super().loss(batch, features)
+            out.loss = out.loss + float("nan")
+            return out
+
+    with pytest.raises(NonFiniteError, match=r"step 1: the loss is inf/NaN in 2 micro-batch"):
+        train(NaNLoss(), target, examples, None, collate_with_ids,
+              config(batch_size=1, grad_accum=2, max_steps=3), tmp_path)  # fmt: skip
+    assert not (tmp_path / "head").exists()
+
+
+def test_a_head_with_nan_weights_is_never_saved(tmp_path):
+    from data.errors import NonFiniteError
+    from heads.base import TargetInfo, save_head
+    from train import checkpoint as ckpt
+
+    @dataclasses.dataclass
+    class Cfg:
+        size: int = 2
+
+    bad = {"w": torch.tensor([1.0, float("nan")])}
+    with pytest.raises(NonFiniteError, match=r"refusing to save .*h: 1 tensor\(s\) hold inf/NaN"):
+        save_head(tmp_path / "h", "dummy", Cfg(), TargetInfo(), bad)
+    assert not (tmp_path / "h").exists()
+    with pytest.raises(NonFiniteError):
+        ckpt.save_checkpoint(tmp_path, ckpt.TrainState(step=1), bad, {}, {}, [])
+    assert ckpt.list_checkpoints(tmp_path) == []
+    head = DummyHead()
+    with torch.no_grad():
+        head.proj.bias[0] = float("inf")
+    trainer = Trainer(head, config(), tmp_path, train_dataset=make_examples(2),
+                      collate_fn=collate_with_ids)  # fmt: skip
+    with pytest.raises(NonFiniteError, match="proj.bias"):
+        trainer.save_head()
+    assert not (tmp_path / "head").exists()
+
+
+def test_float16_features_that_overflow_are_refused(tmp_path):
+    from data.errors import FeatureRangeError
+    from data.features import LazyFeatureDataset, compute_features
+
+    target, examples = overflowing_target(), make_examples(3)
+    peak = target.features(examples[0]["input_ids"][None], None)["hidden"].abs().max()
+    assert peak > 65504  # the premise: float16 would store inf here
+    lazy = LazyFeatureDataset(examples, target, dtype=torch.float16)
+    with pytest.raises(FeatureRangeError, match="beyond float16's range.*feature_dtype=bfloat16"):
+        lazy[0]
+    with pytest.raises(FeatureRangeError, match="float16"):
+        compute_features(examples, target, dtype=torch.float16, progress=False)
+    safe = LazyFeatureDataset(examples, target, dtype=torch.bfloat16)[0]["hidden"]
+    assert safe.dtype == torch.bfloat16 and bool(safe.isfinite().all())
+    cfg = config(batch_size=1, max_steps=2)
+    with pytest.raises(FeatureRangeError):
+        train(DummyHead(), target, lazy, None, collate_with_ids, cfg, tmp_path)
+    assert not (tmp_path / "head").exists()
+
+
+# ---- a torn metrics.jsonl never blocks a resume ---------------------------------------------
+
+
+def test_resume_survives_a_torn_metrics_line(target, tmp_path):
+    base = dict(max_steps=4, save_every=2, batch_size=2, log_every=1)
+    train(DummyHead(), target, make_examples(8), None, collate_with_ids,
+          config(**base), tmp_path, callbacks=[lambda s: s.step == 2])  # fmt: skip
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "train/lo')  # the disk filled up mid-line
+    result = train(DummyHead(), target, make_examples(8), None, collate_with_ids,
+                   config(**base), tmp_path)  # fmt: skip
+    assert result.step == 4
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train/loss" in r] == [1, 2, 3, 4]
+
+
+def test_a_torn_last_line_is_cut_before_the_next_record(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "a": 1}\n{"step": 2, "a"')
+    with Tracker(None, tmp_path, is_main=True) as tracker:
+        tracker.log({"a": 3}, step=3)
+    assert read_metrics(tmp_path) == [{"step": 1, "a": 1}, {"step": 3, "a": 3}]

@@ -6,11 +6,14 @@ A checkpoint is the folder `<run_dir>/checkpoints/step_<N>/`:
     optimizer.pt         optimizer state (+ the fp16 grad scaler's, if any)
     scheduler.pt         learning-rate scheduler state
     rng.pt               python / numpy / torch / cuda RNG states, one entry per process
-    trainer_state.json   step, epoch, data position, token counts (written last)
+    trainer_state.json   step, epoch, data position, token counts
+    run.json             the settings and data fingerprint the run had (train/resume.py)
+    manifest.json        size and sha256 of each file above (written last)
 
-The folder is filled under a temporary name in the same parent and renamed into place in one
-step, so a crash mid-write leaves only a dot-prefixed temporary folder, which `list_checkpoints`
-never returns (and the next successful save deletes).
+The folder is filled under a temporary name in the same parent, fsynced and renamed into place
+in one step, so a crash mid-write leaves only a dot-prefixed temporary folder, which
+`list_checkpoints` never returns (and the next successful save deletes). A folder damaged after
+it was written (a truncated file, a disk error) fails `checkpoint_problems`, and resume skips it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -29,20 +33,38 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from heads.base import atomic_save_dir
+from data.errors import DraftsmithError
+from heads.base import atomic_save_dir, check_finite
+from train.rundir import CHECKPOINTS, MANIFEST_FILE, manifest_problems, write_manifest
 
 log = logging.getLogger(__name__)
 
-CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
 HEAD_FILE = "head.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng.pt"
+RUN_FILE = "run.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# what reading a truncated or garbled checkpoint file raises
+_UNREADABLE = (
+    OSError,
+    EOFError,
+    RuntimeError,
+    ValueError,
+    TypeError,
+    KeyError,
+    pickle.UnpicklingError,
+    SafetensorError,
+)
+
+
+class CheckpointError(DraftsmithError):
+    """A checkpoint cannot be trusted (damaged, incomplete) or does not fit this run."""
 
 
 @dataclass
@@ -69,6 +91,7 @@ class Checkpoint:
     scheduler: dict[str, Any]
     scaler: dict[str, Any] | None
     rng: list[dict[str, Any]]
+    run: dict[str, Any] | None = None  # run.json; None in checkpoints older than it
 
 
 def checkpoint_root(run_dir: str | os.PathLike) -> Path:
@@ -76,14 +99,16 @@ def checkpoint_root(run_dir: str | os.PathLike) -> Path:
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Complete checkpoints under `run_dir`, oldest first, as (step, folder)."""
+    """Checkpoints under `run_dir` (step_<N> folders that were renamed into place: they hold a
+    manifest, or a state file when older than manifests), oldest first, as (step, folder).
+    Listed is not intact: see `checkpoint_problems`."""
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
     found = []
     for child in root.iterdir():
         match = _STEP_DIR.match(child.name)
-        if match and (child / STATE_FILE).is_file():
+        if match and any((child / name).is_file() for name in (MANIFEST_FILE, STATE_FILE)):
             found.append((int(match.group(1)), child))
     return sorted(found)
 
@@ -102,25 +127,30 @@ def save_checkpoint(
     rng: list[dict[str, Any]],
     scaler: dict[str, Any] | None = None,
     keep_last: int = 0,
+    run: dict[str, Any] | None = None,
 ) -> Path:
     """Write `step_<state.step>/` atomically, then keep only the newest `keep_last` (0: all).
 
+    `run` (the settings and data fingerprint, see train/resume.py) goes to run.json. Weights
+    holding inf/NaN are refused: resuming from them could only continue a diverged run.
     Call on one process only (the main one); the others must wait for it.
     """
     # clone: safetensors refuses tensors that share storage, and we never want views here
     head = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in head.items()}
+    path = checkpoint_root(run_dir) / f"step_{state.step}"
+    check_finite(head, path)
 
     def write(tmp: Path) -> None:
         save_file(head, str(tmp / HEAD_FILE), metadata={"format": "pt"})
         torch.save({"optimizer": optimizer, "scaler": scaler}, tmp / OPTIMIZER_FILE)
         torch.save(scheduler, tmp / SCHEDULER_FILE)
         torch.save(rng, tmp / RNG_FILE)
-        # the state file goes last: a folder without it is never treated as a checkpoint
         (tmp / STATE_FILE).write_text(json.dumps(dataclasses.asdict(state), indent=2) + "\n")
-        for name in (HEAD_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE, STATE_FILE):
-            _fsync(tmp / name)
+        if run is not None:
+            (tmp / RUN_FILE).write_text(json.dumps(run, indent=1, sort_keys=True) + "\n")
+        write_manifest(tmp)  # last: it vouches for everything above
 
-    path = atomic_save_dir(checkpoint_root(run_dir) / f"step_{state.step}", write)
+    atomic_save_dir(path, write)
     prune_checkpoints(run_dir, keep_last)
     return path
 
@@ -139,25 +169,56 @@ def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
     return removed
 
 
-def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Read a checkpoint folder written by `save_checkpoint`."""
+def checkpoint_problems(path: str | os.PathLike) -> list[str]:
+    """What is wrong with a checkpoint folder, as short phrases; [] when it can be trusted.
+
+    Checked against its manifest; one older than manifests must at least hold every file and a
+    readable state file."""
     path = Path(path)
-    if not (path / STATE_FILE).is_file():
-        raise FileNotFoundError(
-            f"{path} is not a complete checkpoint (no {STATE_FILE}); pass a "
-            f"<run_dir>/{CHECKPOINTS}/step_<N> folder, or resume=auto to pick the latest one."
+    problems = manifest_problems(path)
+    if problems != [f"no {MANIFEST_FILE}"]:
+        return problems
+    names = (HEAD_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE, STATE_FILE)
+    problems = [f"{n} is missing or empty" for n in names if not _has_bytes(path / n)]
+    if not problems:
+        try:
+            TrainState(**json.loads((path / STATE_FILE).read_text()))
+        except (ValueError, TypeError):
+            problems.append(f"{STATE_FILE} is unreadable")
+    return problems
+
+
+def _has_bytes(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size > 0
+
+
+def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Read a checkpoint folder written by `save_checkpoint`; CheckpointError when a file in
+    it cannot be read (check `checkpoint_problems` first to also catch silent damage)."""
+    path = Path(path)
+    if not any((path / name).is_file() for name in (MANIFEST_FILE, STATE_FILE)):
+        raise CheckpointError(
+            f"{path} is not a checkpoint (no {MANIFEST_FILE}); pass a "
+            f"<run_dir>/{CHECKPOINTS}/step_<N> folder, or trainer.resume=auto for the latest one."
         )
-    state = TrainState(**json.loads((path / STATE_FILE).read_text()))
-    optim = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
-    return Checkpoint(
-        path=path,
-        state=state,
-        head=load_file(str(path / HEAD_FILE)),
-        optimizer=optim["optimizer"],
-        scheduler=torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True),
-        scaler=optim["scaler"],
-        rng=torch.load(path / RNG_FILE, map_location="cpu", weights_only=True),
-    )
+    try:
+        state = TrainState(**json.loads((path / STATE_FILE).read_text()))
+        optim = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        return Checkpoint(
+            path=path,
+            state=state,
+            head=load_file(str(path / HEAD_FILE)),
+            optimizer=optim["optimizer"],
+            scheduler=torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True),
+            scaler=optim["scaler"],
+            rng=torch.load(path / RNG_FILE, map_location="cpu", weights_only=True),
+            run=json.loads((path / RUN_FILE).read_text()) if (path / RUN_FILE).is_file() else None,
+        )
+    except _UNREADABLE as err:
+        raise CheckpointError(
+            f"{path} cannot be read ({type(err).__name__}: {str(err)[:120]}): delete it to "
+            "resume from an older checkpoint, or set trainer.resume=never to start over."
+        ) from err
 
 
 def load_head_state(params: dict[str, nn.Parameter], tensors: dict[str, Tensor], path) -> None:
@@ -220,8 +281,3 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from data.errors import ConfigError
+
 MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
 
 
@@ -40,6 +42,9 @@ class TrainerConfig:
     save_every: int = 0
     keep_last: int = 2  # checkpoints kept; 0 keeps all
     resume: str = "auto"  # auto | never | path to a checkpoint folder
+    # Resume even though optimizer, schedule, batch, seed or data settings changed since the
+    # checkpoint, applying the new values (train/resume.py lists what is checked).
+    allow_config_change: bool = False
     seed: int = 0
     shuffle: bool = True
     log_every: int = 10
@@ -110,4 +115,4 @@ def resolve_mixed_precision(mode: str) -> str:
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
-        raise ValueError(f"TrainerConfig: {message}")
+        raise ConfigError(f"TrainerConfig: {message}")

@@ -7,12 +7,15 @@ it is training. Features come from the batch when the data carries cached target
 
 One step = `grad_accum` micro-batches per process, then one AdamW update. A run continues
 exactly from its latest checkpoint (weights, optimizer, scheduler, RNG and data position), so a
-killed and resumed run ends with the same weights as an uninterrupted one.
+killed and resumed run ends with the same weights as an uninterrupted one. Resume trusts only
+an intact checkpoint of the same run (train/resume.py). A non-finite loss or gradient stops the
+run at once (NonFiniteError), and a head holding inf/NaN is never written.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,12 +30,12 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from heads.base import atomic_save_dir
+from data.errors import NonFiniteError
+from heads.base import atomic_save_dir, check_finite
 from train.checkpoint import (
     TrainState,
     capture_rng_state,
     checkpoint_root,
-    latest_checkpoint,
     load_checkpoint,
     load_head_state,
     remap_position,
@@ -42,14 +45,28 @@ from train.checkpoint import (
 from train.config import TrainerConfig, resolve_mixed_precision
 from train.features import batch_features
 from train.optim import build_optimizer, build_scheduler, trainable_parameters
+from train.resume import (
+    apply_optimizer_settings,
+    check_explicit_checkpoint,
+    check_settings,
+    find_intact_checkpoint,
+    optimizer_settings,
+    run_record,
+)
+from train.rundir import HEAD_DIR, check_kept_head, write_manifest, write_run_config
 from train.sampling import count_steps, epoch_batches, make_loader
-from train.selection import HEAD_DIR, BestKeeper, Evaluator, run_evaluators
+from train.selection import BestKeeper, Evaluator, run_evaluators
 from train.tracking import Tracker
 from train.validation import add_stats, evaluate_head, reduce_stats
 
 log = logging.getLogger(__name__)
 
 Callback = Callable[[TrainState], bool | None]  # return True to stop after this step
+_DIVERGED_FIX = (
+    "training diverged or its inputs overflowed. Lower trainer.lr, keep trainer.max_grad_norm "
+    "> 0, and if the target's features exceed float16's range set data.feature_dtype=bfloat16; "
+    "then resume from the last checkpoint or start over."
+)
 
 
 @dataclass
@@ -105,7 +122,9 @@ class Trainer:
 
     `callbacks` run after every step with the TrainState; one returning True stops the run
     (after writing a checkpoint of that step), which is how tests simulate an interruption.
-    They must decide the same on every process.
+    They must decide the same on every process. `run_config` (the resolved run config) and
+    `data_sha1` are recorded in each checkpoint and compared on resume; `run_config` is also
+    written to <run_dir>/config.yaml once resume has accepted it.
     """
 
     def __init__(
@@ -121,11 +140,15 @@ class Trainer:
         tracker: Tracker | None = None,
         callbacks: Sequence[Callback] = (),
         evaluators: Sequence[Evaluator] = (),
+        run_config: dict | None = None,
+        data_sha1: str | None = None,
     ) -> None:
         self.cfg, self.run_dir, self.callbacks = cfg, Path(run_dir), list(callbacks)
         self.evaluators = list(evaluators)
-        self.best = BestKeeper(run_dir, cfg.best_metric, cfg.best_mode)
+        self.run_config = run_config
+        self.record = run_record(run_config, cfg, data_sha1)
         self.acc = acc = _make_accelerator(cfg)
+        self.best = BestKeeper(run_dir, cfg.best_metric, cfg.best_mode, acc.is_main_process)
         set_seed(cfg.seed, device_specific=True)  # seed + process index
         self.head, self.target, self.layers = head, target, head.feature_layers()
         self.train_dataset = train_dataset
@@ -153,6 +176,8 @@ class Trainer:
         started = time.perf_counter()
         resumed = self.resume()
         cfg, acc, state = self.cfg, self.acc, self.state
+        if self.run_config is not None and acc.is_main_process:
+            write_run_config(self.run_dir, self.run_config)
         stream = self._micro_batches()
         bar = tqdm(
             total=self.total_steps,
@@ -185,6 +210,8 @@ class Trainer:
             if cfg.save_every and (checkpoint is None or checkpoint.name != f"step_{state.step}"):
                 checkpoint = self.save_checkpoint()
             head_dir = self.save_head()
+            if acc.is_main_process:
+                check_kept_head(self.run_dir)  # never end "successfully" on a damaged head
         if self._own_tracker:
             self.tracker.finish()
         return TrainResult(
@@ -205,7 +232,8 @@ class Trainer:
         """One optimizer update from `grad_accum` micro-batches."""
         acc = self.acc
         self.model.train()
-        tokens = torch.zeros(2, dtype=torch.float64, device=acc.device)
+        # tokens, loss tokens, micro-batches with a non-finite loss (summed over processes)
+        tokens = torch.zeros(3, dtype=torch.float64, device=acc.device)
         for _ in range(self.cfg.grad_accum):
             batch = next(stream)
             with acc.accumulate(self.model):
@@ -216,11 +244,14 @@ class Trainer:
                 if acc.sync_gradients:
                     window.lr = self.optimizer.param_groups[0]["lr"]
                     window.grad_norm = self._clip_gradients()
+                    self._check_grad_norm(window.grad_norm)
                     self.optimizer.step()
                     if not self.optimizer.step_was_skipped:
                         self.scheduler.step()
                     self.optimizer.zero_grad(set_to_none=True)
-            window.loss_sum += loss.detach().float().item()
+            value = loss.detach().float().item()
+            tokens[2] += not math.isfinite(value)
+            window.loss_sum += value
             window.micro_batches += 1
             add_stats(window.stats, stats)
             tokens[0] += batch["attention_mask"].sum()
@@ -228,16 +259,29 @@ class Trainer:
         if not acc.sync_gradients:
             raise RuntimeError("gradient accumulation fell out of step with the loop (a bug)")
         tokens = acc.reduce(tokens, "sum")
+        if tokens[2] > 0:  # every process sees the sum, so all stop together
+            raise NonFiniteError(
+                f"step {self.state.step + 1}: the loss is inf/NaN in {int(tokens[2])} "
+                f"micro-batch(es): {_DIVERGED_FIX}"
+            )
         self.state.tokens += int(tokens[0])
         self.state.loss_tokens += int(tokens[1])
         window.tokens += int(tokens[0])
 
     def _clip_gradients(self) -> float | None:
-        if not self.cfg.max_grad_norm:
-            return None
+        """Clip to `max_grad_norm` (0: no clipping, the norm is still measured)."""
         params = [p for _, p in trainable_parameters(self.head)]
-        norm = self.acc.clip_grad_norm_(params, self.cfg.max_grad_norm)
+        norm = self.acc.clip_grad_norm_(params, self.cfg.max_grad_norm or math.inf)
         return None if norm is None else float(norm)
+
+    def _check_grad_norm(self, norm: float | None) -> None:
+        """Stop before an update with inf/NaN gradients (the same norm on every process). With
+        fp16's grad scaler they are expected now and then: the scaler skips those updates."""
+        if norm is None or math.isfinite(norm) or self.acc.scaler is not None:
+            return
+        raise NonFiniteError(
+            f"step {self.state.step + 1}: the gradient norm is {norm}: {_DIVERGED_FIX}"
+        )
 
     def _micro_batches(self) -> Iterator[dict]:
         """This process's micro-batches, epoch after epoch, from the current data position."""
@@ -354,24 +398,28 @@ class Trainer:
                 rng=rng,
                 scaler=acc.scaler.state_dict() if acc.scaler is not None else None,
                 keep_last=self.cfg.keep_last,
+                run=self.record,
             )
         acc.wait_for_everyone()
         return checkpoint_root(self.run_dir) / f"step_{self.state.step}"
 
     def resume(self) -> Path | None:
-        """Load the checkpoint `cfg.resume` names ("auto": the latest in run_dir, if any)."""
-        resume = self.cfg.resume
-        if resume == "never":
-            return None
-        found = latest_checkpoint(self.run_dir) if resume == "auto" else Path(resume)
-        # every process follows the main process's choice (it may have a newer listing)
-        found = broadcast_object_list([str(found) if found else None])[0]
+        """Load the checkpoint `cfg.resume` names ("auto": the newest intact one in run_dir, if
+        any), after checking that this run's settings still fit it (train/resume.py)."""
+        found = self._choose_checkpoint()
         if found is None:
             return None
         ckpt = load_checkpoint(found)
+        main = self.acc.is_main_process
+        changed = check_settings(
+            ckpt.run, self.record, self.cfg.allow_config_change, ckpt.path, verbose=main
+        )
+        fresh = optimizer_settings(self.optimizer, self.scheduler)
         load_head_state(dict(trainable_parameters(self.head)), ckpt.head, ckpt.path)
         self.optimizer.load_state_dict(ckpt.optimizer)
         self.scheduler.load_state_dict(ckpt.scheduler)
+        if changed:
+            apply_optimizer_settings(self.optimizer, self.scheduler, fresh)
         if ckpt.scaler is not None and self.acc.scaler is not None:
             self.acc.scaler.load_state_dict(ckpt.scaler)
         self.state = remap_position(ckpt.state, self.global_batch)
@@ -380,15 +428,44 @@ class Trainer:
             log.warning("checkpoint has RNG states for %d processes only", len(ckpt.rng))
         restore_rng_state(ckpt.rng[rank % len(ckpt.rng)])
         self.tracker.rewind(self.state.step)
-        if self.acc.is_main_process:
+        if main:
             log.info("resumed from %s at step %d", ckpt.path, self.state.step)
         return ckpt.path
 
+    def _choose_checkpoint(self) -> Path | None:
+        """The main process checks the candidates (it reads and hashes them); every process
+        follows its choice, or raises its error."""
+        resume = self.cfg.resume
+        if resume == "never":
+            return None
+        choice: str | Exception | None = None
+        if self.acc.is_main_process:
+            try:
+                found = (
+                    find_intact_checkpoint(self.run_dir)
+                    if resume == "auto"
+                    else check_explicit_checkpoint(resume)
+                )
+                choice = str(found) if found else None
+            except Exception as err:  # handed to every process, raised below
+                choice = err
+        choice = broadcast_object_list([choice])[0]
+        if isinstance(choice, Exception):
+            raise choice
+        return Path(choice) if choice else None
+
     def save_head(self) -> Path:
-        """`head.save_pretrained(<run_dir>/head)` on the main process, atomically."""
+        """`head.save_pretrained(<run_dir>/head)` plus a manifest, on the main process,
+        atomically; weights holding inf/NaN are refused (NonFiniteError)."""
         path = self.run_dir / HEAD_DIR
         if self.acc.is_main_process:
-            atomic_save_dir(path, self.head.save_pretrained)
+            check_finite(self.head.state_dict(), path)
+
+            def write(tmp: Path) -> None:
+                self.head.save_pretrained(tmp)
+                write_manifest(tmp)
+
+            atomic_save_dir(path, write)
         self.acc.wait_for_everyone()
         return path
 
@@ -408,6 +485,8 @@ def train(
     tracker: Tracker | None = None,
     callbacks: Sequence[Callback] = (),
     evaluators: Sequence[Evaluator] = (),
+    run_config: dict | None = None,
+    data_sha1: str | None = None,
 ) -> TrainResult:
     """Build a Trainer and run it (see Trainer)."""
     trainer = Trainer(
@@ -421,6 +500,8 @@ def train(
         tracker=tracker,
         callbacks=callbacks,
         evaluators=evaluators,
+        run_config=run_config,
+        data_sha1=data_sha1,
     )
     return trainer.fit()
 

@@ -30,6 +30,7 @@ from data.dataset import (
     load_conversations,
     split_examples,
 )
+from data.errors import ConfigError
 from data.feature_cache import default_cache_dir, examples_sha1, open_or_build_feature_cache
 from data.features import LazyFeatureDataset
 from data.paths import cache_root, resolve_path
@@ -38,7 +39,7 @@ from heads.target import Target, load_target
 from heads.vocab import count_tokens
 from train.config import TrainerConfig
 from train.loop import TrainResult, train
-from train.selection import BEST_FILE, kept_head
+from train.rundir import BEST_FILE, DATA_STATS, kept_head
 from train.tracking import Tracker, env_rank
 
 log = logging.getLogger(__name__)
@@ -128,9 +129,9 @@ def feature_datasets(data: PreparedData, target: Target, layers, data_cfg: DictC
     if data_cfg.features == "disk":
         return disk_feature_datasets(data, target, layers, data_cfg)
     if data_cfg.features != "memory":
-        raise ValueError(f"data.features={data_cfg.features!r}: use 'memory', 'disk' or 'online'.")
+        raise ConfigError(f"data.features={data_cfg.features!r}: use 'memory', 'disk' or 'online'.")
     if data_cfg.feature_dtype == "int8":
-        raise ValueError("data.feature_dtype=int8 needs data.features=disk (or use float16).")
+        raise ConfigError("data.feature_dtype=int8 needs data.features=disk (or use bfloat16).")
     dtype = getattr(torch, data_cfg.feature_dtype)
     return (
         LazyFeatureDataset(data.train, target, layers, dtype),
@@ -192,9 +193,6 @@ def build_head(head_cfg: Any, target: Target, train_examples: list[dict]):
     return heads.build_head(head_cfg, target, token_counts=counts)
 
 
-DATA_STATS = "data_stats.json"  # the training data's size, for model cards
-
-
 def _log_final_head(tracker: Tracker, run_dir: Path, method: str) -> None:
     """The head the run keeps (best_head when an evaluator chose one, else head) as a W&B
     model artifact, with the run's data size and best metric as metadata."""
@@ -229,6 +227,9 @@ def init_head_weights(head, path: str, target: Target | None = None) -> None:
 def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> TrainResult:
     """Train the configured head; returns the TrainResult (the head lands in run_dir/head)."""
     run_dir = Path(run_dir or _hydra_run_dir())
+    # the settings first: a typo should not wait for the target and the data to load
+    trainer_cfg: TrainerConfig = instantiate(cfg.trainer)
+    logger_cfg = instantiate(cfg.logger)
     torch.manual_seed(cfg.seed)
     target = load_target(instantiate(cfg.model))
     data = prepare_data(cfg.data, target)
@@ -240,12 +241,10 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> TrainResul
     else:  # Medusa-2: the head runs its adapted target itself; cached features would be stale
         log.info("head %s computes its own features: data.features is not used", head.method)
         train_set, val_set = ExampleDataset(data.train), ExampleDataset(data.val)
-    trainer_cfg: TrainerConfig = instantiate(cfg.trainer)
-    tracker = Tracker(instantiate(cfg.logger), run_dir, is_main=env_rank() == 0)
+    tracker = Tracker(logger_cfg, run_dir, is_main=env_rank() == 0)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     if env_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
         stats = {"train": corpus_stats(data.train), "val": corpus_stats(data.val)}
         (run_dir / DATA_STATS).write_text(json.dumps(stats, indent=2) + "\n")
     tracker.log_config(resolved)
@@ -263,6 +262,8 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> TrainResul
         tracker=tracker,
         callbacks=callbacks,
         evaluators=evaluators,
+        run_config=resolved,  # config.yaml, once resume has accepted it
+        data_sha1=examples_sha1(data.train + data.val),
     )
     if env_rank() == 0:
         _log_final_head(tracker, run_dir, head.method)

@@ -2,13 +2,16 @@
 
 Only the main process writes anything. It is recognised from the launcher's environment
 (`RANK`, or the MPI equivalents), so a Tracker can be built before the training loop starts
-its Accelerator. W&B runs in one of three modes: "online", "offline" (files under `dir`, sync
-later with `wandb sync`; never touches the network) or "disabled" (W&B not even imported).
+its Accelerator. A line torn by a crash or a full disk (the last one, cut short) is dropped
+with a warning when the file is next opened, so it never blocks a resume. W&B runs in one of
+three modes: "online", "offline" (files under `dir`, sync later with `wandb sync`; never
+touches the network) or "disabled" (W&B not even imported).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import uuid
 from collections.abc import Mapping
@@ -16,8 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-METRICS_FILE = "metrics.jsonl"
-WANDB_ID_FILE = "wandb_run_id"
+from data.errors import ConfigError
+from train.rundir import METRICS_FILE, WANDB_ID_FILE
+
+log = logging.getLogger(__name__)
+
 WANDB_MODES = ("online", "offline", "disabled")
 
 
@@ -35,7 +41,7 @@ class LoggerConfig:
     def __post_init__(self) -> None:
         self.tags = list(self.tags)
         if self.mode not in WANDB_MODES:
-            raise ValueError(
+            raise ConfigError(
                 f"LoggerConfig: mode={self.mode!r}: use one of {', '.join(WANDB_MODES)} "
                 "(offline writes W&B files locally for a later `wandb sync`)."
             )
@@ -70,6 +76,7 @@ class Tracker:
         self._wandb_run = None
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            _drop_torn_tail(self.metrics_path)
             if self.cfg.mode != "disabled":
                 self._wandb_run = self._init_wandb()
 
@@ -146,8 +153,11 @@ class Tracker:
         """Drop metrics.jsonl records after `step` (a resumed run logs those steps again)."""
         if not self.is_main or not self.metrics_path.is_file():
             return
-        lines = self.metrics_path.read_text().splitlines()
-        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+        kept = [
+            json.dumps(record)
+            for record in _parse_lines(self.metrics_path)
+            if record.get("step", 0) <= step
+        ]
         tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, self.metrics_path)
@@ -169,7 +179,43 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return _parse_lines(path)
+
+
+def _parse_lines(path: Path) -> list[dict[str, Any]]:
+    """The JSON records of a .jsonl file; lines that do not parse are skipped with a warning."""
+    records, torn = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            torn += 1
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            torn += 1
+    if torn:
+        log.warning("%s: skipped %d damaged line(s)", path, torn)
+    return records
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a last line left without its newline (the process died mid-write), so the next
+    record starts on a line of its own."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) == b"\n":
+            return
+    data = path.read_bytes()
+    keep = data.rfind(b"\n") + 1
+    log.warning("%s: dropped a torn last line (%d bytes)", path, len(data) - keep)
+    with open(path, "r+b") as f:
+        f.truncate(keep)
 
 
 def _to_number(value: Any) -> Any:
