@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -116,12 +115,6 @@ def _move_aside(path: Path) -> Path:
         aside, n = path.with_name(f"{DAMAGED_PREFIX}{path.name}.{n}"), n + 1
     os.replace(path, aside)
     return aside
-
-
-def remove_damaged(run_dir: str | os.PathLike) -> None:
-    """Delete checkpoints moved aside as damaged (for callers that want them gone)."""
-    for path in Path(run_dir).glob(f"checkpoints/{DAMAGED_PREFIX}*"):
-        shutil.rmtree(path, ignore_errors=True)
 
 
 # ---- comparing settings ---------------------------------------------------------------------

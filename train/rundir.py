@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -133,10 +133,6 @@ def read_run_config(run_dir: str | os.PathLike) -> dict:
     return yaml.safe_load(path.read_text()) or {}
 
 
-def is_run_dir(path: str | os.PathLike) -> bool:
-    return (Path(path) / CONFIG_FILE).is_file()
-
-
 def kept_head(run_dir: str | os.PathLike) -> Path | None:
     """The head a run keeps: best_head when an evaluator chose one, else the final head; None
     when the run saved neither."""
@@ -205,9 +201,3 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[name] = value
     return flat
-
-
-def names_under(flat: Iterable[str], prefixes: Iterable[str]) -> list[str]:
-    """The dotted names equal to, or under, one of `prefixes`."""
-    prefixes = tuple(prefixes)
-    return [n for n in flat if any(n == p or n.startswith(p + ".") for p in prefixes)]
