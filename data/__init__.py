@@ -5,10 +5,12 @@ This package imports nothing from heads/, train/ or eval/ (the target is duck-ty
 
 from data.chat import (
     CHATML_TEMPLATE,
+    ChatEncoder,
     ChatTemplateError,
     resolve_chat_template,
     tokenize_conversation,
 )
+from data.config import DataConfig, SelfDistillSettings
 from data.dataset import (
     DataSource,
     ExampleDataset,
@@ -18,41 +20,37 @@ from data.dataset import (
     load_conversations,
     split_examples,
 )
-from data.features import (
-    FeatureCacheMismatch,
-    compute_features,
-    feature_meta,
-    load_feature_file,
-    read_feature_meta,
-    save_feature_file,
-)
+from data.features import FeatureCacheMismatch, compute_features, feature_meta
 from data.formats import (
     DataFormatError,
     normalize_row,
     read_conversations,
     read_prompts,
 )
+from data.prepare import PreparedData, prepare_data
 
 __all__ = [
     "CHATML_TEMPLATE",
+    "ChatEncoder",
     "ChatTemplateError",
+    "DataConfig",
     "DataFormatError",
     "DataSource",
     "ExampleDataset",
     "FeatureCacheMismatch",
+    "PreparedData",
+    "SelfDistillSettings",
     "build_examples",
     "collate",
     "compute_features",
     "corpus_stats",
     "feature_meta",
     "load_conversations",
-    "load_feature_file",
     "normalize_row",
+    "prepare_data",
     "read_conversations",
-    "read_feature_meta",
     "read_prompts",
     "resolve_chat_template",
-    "save_feature_file",
     "split_examples",
     "tokenize_conversation",
 ]

@@ -6,16 +6,20 @@ with the generation prompt (which ends with the assistant header) and the render
 ``messages[:i+1]``. The span is cut after its last special token, so it holds the assistant text
 and its end-of-turn token (``<|im_end|>``) but neither the header nor template glue after it.
 Tokens are then assigned to spans through the fast tokenizer's character offsets.
+
+:class:`ChatEncoder` is the one way messages become token ids: training examples (with the
+mask), self-distillation prompts and benchmark prompts (with the assistant header appended).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from data.errors import DraftsmithError
 from data.formats import Conversation
+from data.paths import resolve_path
 
 # A plain ChatML template (no default system prompt), for targets whose tokenizer has none:
 # set `data.chat_template: chatml` and make sure <|im_start|> / <|im_end|> are in the vocabulary.
@@ -27,20 +31,15 @@ CHATML_TEMPLATE = (
 )
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(DraftsmithError, ValueError):
     """The chat template is missing or renders conversations in a way we cannot mask."""
 
 
 def resolve_chat_template(tokenizer: Any, chat_template: str | None = None) -> str:
-    """The template to use: ``chat_template`` ("chatml", a .jinja path or Jinja text) if given,
+    """The template to use: ``chat_template`` ("chatml", Jinja text or a template file) if given,
     else the tokenizer's own. Raises :class:`ChatTemplateError` when there is none."""
     if chat_template:
-        if chat_template == "chatml":
-            return CHATML_TEMPLATE
-        if chat_template.endswith(".jinja") and os.path.isfile(chat_template):
-            with open(chat_template, encoding="utf-8") as f:
-                return f.read()
-        return chat_template
+        return template_text(chat_template)
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # some tokenizers keep several named templates
         template = template.get("default")
@@ -51,6 +50,35 @@ def resolve_chat_template(tokenizer: Any, chat_template: str | None = None) -> s
             "template, a .jinja file, or 'chatml'"
         )
     return template
+
+
+def template_text(chat_template: str) -> str:
+    """The template named by ``chat_template``: "chatml", Jinja text (it has ``{{`` or ``{%``),
+    or else the path of a template file (relative to the working directory or the repository).
+    """
+    if chat_template == "chatml":
+        return CHATML_TEMPLATE
+    if "{{" in chat_template or "{%" in chat_template:
+        return chat_template
+    path = resolve_path(chat_template)
+    if path.is_dir():
+        raise ChatTemplateError(
+            f"chat template {chat_template!r} is a directory; give a template file in it (e.g. "
+            "chat_template.jinja), Jinja template text, or 'chatml'"
+        )
+    if not path.is_file():
+        raise ChatTemplateError(
+            f"chat template file {chat_template!r} not found (tried from the working directory "
+            "and the repository root) and it is not Jinja text (no {{ or {%); fix the path, or "
+            "give the template text or 'chatml'"
+        )
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ChatTemplateError(
+            f"chat template file {path}: not UTF-8 (byte 0x{e.object[e.start]:02x} at offset "
+            f"{e.start}); save it as UTF-8"
+        ) from None
 
 
 def render(messages: Conversation, tokenizer: Any, template: str, generation: bool) -> str:
@@ -102,24 +130,44 @@ def _cut_after_last_special(text: str, start: int, end: int, specials: list[str]
     return best if best > start else end
 
 
+class ChatEncoder:
+    """Messages -> token ids through the chat template: the one place where training examples,
+    self-distillation prompts and benchmark prompts are rendered and tokenised.
+
+    The rendered template already holds BOS and the turn markers, so the tokenizer never adds
+    special tokens of its own."""
+
+    def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.template = resolve_chat_template(tokenizer, chat_template)
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prompt(self, messages: Conversation) -> list[int]:
+        """Ids of ``messages`` followed by the assistant header: what generation continues."""
+        return self.encode_text(render(messages, self.tokenizer, self.template, generation=True))
+
+    def example(self, messages: Conversation, max_length: int) -> dict[str, torch.Tensor] | None:
+        """A training example, ``{"input_ids", "loss_mask"}`` (LongTensor[T], T <= max_length,
+        the mask 1 exactly on assistant tokens), or None when truncation leaves no assistant
+        token (the caller counts and drops it)."""
+        text, spans = assistant_spans(messages, self.tokenizer, self.template)
+        ids, mask = _tokenize_with_spans(text, spans, self.tokenizer)
+        ids, mask = ids[:max_length], mask[:max_length]
+        if not any(mask):
+            return None
+        return {
+            "input_ids": torch.tensor(ids, dtype=torch.long),
+            "loss_mask": torch.tensor(mask, dtype=torch.long),
+        }
+
+
 def tokenize_conversation(
     messages: Conversation, tokenizer: Any, max_length: int, chat_template: str | None = None
 ) -> dict[str, torch.Tensor] | None:
-    """Tokenize one conversation with its chat template.
-
-    Returns ``{"input_ids": LongTensor[T], "loss_mask": LongTensor[T]}`` with ``T <= max_length``
-    and ``loss_mask[t] == 1`` exactly on assistant tokens, or None when truncation leaves no
-    assistant token (the caller counts and drops it)."""
-    template = resolve_chat_template(tokenizer, chat_template)
-    text, spans = assistant_spans(messages, tokenizer, template)
-    ids, mask = _tokenize_with_spans(text, spans, tokenizer)
-    ids, mask = ids[:max_length], mask[:max_length]
-    if not any(mask):
-        return None
-    return {
-        "input_ids": torch.tensor(ids, dtype=torch.long),
-        "loss_mask": torch.tensor(mask, dtype=torch.long),
-    }
+    """One conversation as a training example (see :meth:`ChatEncoder.example`)."""
+    return ChatEncoder(tokenizer, chat_template).example(messages, max_length)
 
 
 def _tokenize_with_spans(

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from data.chat import resolve_chat_template, tokenize_conversation
+from data.chat import ChatEncoder
+from data.errors import ConfigError
 from data.formats import FORMATS, Conversation, DataFormatError, read_conversations
 
 log = logging.getLogger(__name__)
@@ -47,11 +48,11 @@ class DataSource:
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
-            raise ValueError(f"DataSource.format={self.format!r}; use one of {list(FORMATS)}")
+            raise ConfigError(f"DataSource.format={self.format!r}; use one of {list(FORMATS)}")
         if self.max_rows is not None and self.max_rows <= 0:
-            raise ValueError(f"DataSource.max_rows={self.max_rows}; use a positive int or null")
+            raise ConfigError(f"DataSource.max_rows={self.max_rows}; use a positive int or null")
         if not self.weight > 0:
-            raise ValueError(f"DataSource.weight={self.weight}; use a positive number")
+            raise ConfigError(f"DataSource.weight={self.weight}; use a positive number")
 
 
 def load_conversations(sources: Sequence[DataSource]) -> list[Conversation]:
@@ -75,10 +76,10 @@ def build_examples(
 ) -> list[Example]:
     """Tokenize conversations into examples; conversations left with no assistant token after
     truncation to ``max_length`` are dropped with a warning."""
-    template = resolve_chat_template(tokenizer, chat_template)
+    encoder = ChatEncoder(tokenizer, chat_template)
     examples, dropped, truncated = [], 0, 0
     for messages in conversations:
-        example = tokenize_conversation(messages, tokenizer, max_length, template)
+        example = encoder.example(messages, max_length)
         if example is None:
             dropped += 1
             continue

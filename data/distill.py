@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from data.chat import resolve_chat_template
+from data.chat import ChatEncoder
 from data.formats import DataFormatError, read_prompts
 from data.paths import atomic_write, resolve_path
 
@@ -191,7 +191,7 @@ def repair_tail(path: Path) -> int:
 
 
 def read_rows(path: Path) -> Iterator[dict]:
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if line.strip():
                 try:
@@ -214,7 +214,7 @@ def done_keys(out: Path) -> set[str]:
 def _append(path: Path, rows: Sequence[dict]) -> None:
     if not rows:
         return
-    with open(path, "a") as f:
+    with open(path, "a", encoding="utf-8") as f:
         f.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
         f.flush()
         os.fsync(f.fileno())
@@ -258,13 +258,13 @@ def check_meta(out: Path, meta: dict) -> None:
 class _Generator:
     """Batched `generate` with left padding, one turn of several conversations at a time."""
 
-    def __init__(self, target, cfg: DistillConfig, template: str, eos_ids: list[int]):
+    def __init__(self, target, cfg: DistillConfig, encoder: ChatEncoder, eos_ids: list[int]):
         from transformers import GenerationConfig
 
         from data.generation import NEUTRAL_PROCESSORS
 
         self.model, self.tok = target.model, target.tokenizer
-        self.cfg, self.template = cfg, template
+        self.cfg, self.encoder = cfg, encoder
         self.eos = set(eos_ids)
         pad = self.tok.pad_token_id
         self.pad = pad if pad is not None else eos_ids[0]
@@ -279,12 +279,6 @@ class _Generator:
             eos_token_id=eos_ids,
             pad_token_id=self.pad,
         )
-
-    def encode(self, history: list[dict]) -> list[int]:
-        text = self.tok.apply_chat_template(
-            history, tokenize=False, add_generation_prompt=True, chat_template=self.template
-        )
-        return self.tok(text, add_special_tokens=False).input_ids
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], seed: int) -> list[tuple[list[int], str]]:
@@ -329,11 +323,11 @@ def distill(
     from data.generation import eos_token_ids
 
     out = resolve_path(cfg.out) if not Path(cfg.out).is_absolute() else Path(cfg.out)
-    template = resolve_chat_template(target.tokenizer, chat_template)
+    encoder = ChatEncoder(target.tokenizer, chat_template)
     meta = {
         "target": target.name_or_path,
         "target_fingerprint": target.fingerprint,
-        "chat_template_sha1": hashlib.sha1(template.encode()).hexdigest(),
+        "chat_template_sha1": hashlib.sha1(encoder.template.encode()).hexdigest(),
         "settings": cfg.settings(),
         "prompts": list(cfg.prompts),
         "max_rows": cfg.max_rows,
@@ -360,7 +354,7 @@ def distill(
     eos = eos_token_ids(target)
     if not eos:
         raise ValueError("the target has no EOS token id: answers would never end.")
-    gen = _Generator(target, cfg, template, eos)
+    gen = _Generator(target, cfg, encoder, eos)
     stats = {"rows": 0, "skipped": 0, "new_tokens": 0, "seconds": 0.0}
     bar = _progress(len(todo), progress and rank == 0)
     t0 = time.perf_counter()
@@ -401,7 +395,7 @@ def _run_batch(gen: _Generator, batch: list[WorkItem], cfg: DistillConfig, meta:
             if turn >= len(batch[i].turns):
                 continue
             history = histories[i] + [{"role": "user", "content": batch[i].turns[turn]}]
-            ids = gen.encode(history)
+            ids = gen.encoder.prompt(history)
             if len(ids) > cfg.max_prompt_tokens:
                 open_items.discard(i)  # the conversation ends before this turn
                 reasons[i] = f"turn {turn + 1} prompt has {len(ids)} > max_prompt_tokens tokens"

@@ -1,9 +1,9 @@
 """In-memory feature cache: run the frozen target once over the examples, reuse across epochs.
 
 ``compute_features`` adds ``"hidden"`` ``[T, H]`` (the target's last hidden state after the
-final norm) and, when ``layers`` is given, ``"aux"`` ``[T, len(layers) * H]`` to each example.
-``save_feature_file`` / ``load_feature_file`` keep them in one safetensors file tagged with the
-target's fingerprint and the layer set, so a file built for another target is refused.
+final norm) and, when ``layers`` is given, ``"aux"`` ``[T, len(layers) * H]`` to each example;
+``LazyFeatureDataset`` computes them per example on first read. The on-disk cache is
+data/feature_cache.py (``feature_meta`` and ``META_KEY`` tag its shards).
 
 The target is duck-typed: anything with ``features(input_ids, attention_mask, layers) -> dict``
 (``heads.target.Target`` is one); this module never imports ``heads/``.
@@ -11,24 +11,18 @@ The target is duck-typed: anything with ``features(input_ids, attention_mask, la
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from data.dataset import FEATURE_KEYS, SEQUENCE_KEYS, Example, collate
+from data.dataset import FEATURE_KEYS, Example, collate
 from data.errors import FeatureRangeError
-from data.paths import atomic_write
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
 META_KEY = "draftsmith"
 
 
@@ -140,73 +134,6 @@ def feature_meta(target: Any, layers: Sequence[int] | None = None) -> dict:
         "target": str(getattr(target, "name_or_path", "")),
         "layers": list(layers) if layers else None,
     }
-
-
-def save_feature_file(examples: Sequence[Example], path: str, meta: dict) -> None:
-    """Write examples with their features to one safetensors file, atomically.
-
-    Examples are concatenated along tokens (``offsets`` ``[N + 1]`` marks their bounds). The JSON
-    metadata holds ``meta`` (at least ``fingerprint`` and ``layers``) plus dtype, counts and
-    the format version."""
-    if not examples:
-        raise ValueError("save_feature_file: no examples to save")
-    if "fingerprint" not in meta:
-        raise ValueError("save_feature_file: meta needs the target's 'fingerprint'")
-    keys = [k for k in (*SEQUENCE_KEYS, *FEATURE_KEYS) if k in examples[0]]
-    lengths = torch.tensor([len(e["input_ids"]) for e in examples], dtype=torch.long)
-    tensors = {k: torch.cat([e[k] for e in examples]).contiguous() for k in keys}
-    tensors["offsets"] = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
-    full_meta = {
-        **meta,
-        "layers": list(meta["layers"]) if meta.get("layers") else None,
-        "format_version": FORMAT_VERSION,
-        "dtype": str(tensors["hidden"].dtype) if "hidden" in tensors else None,
-        "num_examples": len(examples),
-        "num_tokens": int(lengths.sum()),
-    }
-    full_meta_json = json.dumps(full_meta)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={META_KEY: full_meta_json}))
-
-
-def read_feature_meta(path: str) -> dict:
-    """The JSON metadata of a feature file."""
-    with safe_open(path, framework="pt") as f:
-        raw = (f.metadata() or {}).get(META_KEY)
-    if raw is None:
-        raise FeatureCacheMismatch(f"{path} is not a draftsmith feature file; delete it")
-    return json.loads(raw)
-
-
-def load_feature_file(path: str, expected_meta: dict | None = None) -> list[Example]:
-    """Load a feature file; refuse it when its metadata disagrees with ``expected_meta`` (e.g.
-    ``feature_meta(target, layers)``) on any key given there."""
-    meta = read_feature_meta(path)
-    for key, want in (expected_meta or {}).items():
-        have = meta.get(key)
-        if key == "layers":
-            want = list(want) if want else None
-        if have != want:
-            raise FeatureCacheMismatch(
-                f"{path} was built with {key}={have!r} but this run expects {key}={want!r} "
-                f"(file fingerprint {meta.get('fingerprint')!r}, target "
-                f"{meta.get('target')!r}); delete the file or point the cache elsewhere to "
-                "recompute features for this target and layer set"
-            )
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise FeatureCacheMismatch(
-            f"{path} has feature format {meta.get('format_version')}, this code reads "
-            f"{FORMAT_VERSION}; delete the file to recompute it"
-        )
-    with safe_open(path, framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    bounds = tensors.pop("offsets").tolist()
-    # Examples are views into the loaded tensors: no copy, the file's size in memory once.
-    return [
-        {k: v[bounds[n] : bounds[n + 1]] for k, v in tensors.items()}
-        for n in range(len(bounds) - 1)
-    ]
 
 
 class LazyFeatureDataset(torch.utils.data.Dataset):

@@ -8,17 +8,26 @@ Every training row becomes a list of messages ``[{"role": "system"|"user"|"assis
 - Alpaca: ``{"instruction": str, "input": str (optional), "output"|"response": str}``
 
 Bad input raises :class:`DataFormatError`; its message names the file, the row (JSONL line
-number or JSON array index) and what to change.
+number or JSON array index) and what to change. Files are read strictly (data/json_files.py);
+rows not worth training on are skipped or mended and counted (data/row_checks.py).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from typing import Any
 
-Message = dict[str, str]
+from data.json_files import DataFormatError, iter_jsonl, read_json
+from data.row_checks import (
+    Message,
+    RowReport,
+    RowSkipped,
+    check_answer,
+    check_text,
+    merge_repeated_roles,
+)
+
 Conversation = list[Message]
 
 FORMATS = ("auto", "sharegpt", "openai", "alpaca")
@@ -40,10 +49,6 @@ _SUPPORTED = (
 )
 
 
-class DataFormatError(ValueError):
-    """A data file or row that cannot be read; the message says where and how to fix it."""
-
-
 # ---------------------------------------------------------------------------------------------
 # Raw rows
 
@@ -57,10 +62,9 @@ def iter_rows(source: Any, split: str = "train") -> Iterator[tuple[str, dict]]:
         return
     path = os.fspath(source)
     if path.endswith((".json", ".jsonl")) or os.path.isfile(path):
-        if not os.path.isfile(path):
-            raise DataFormatError(f"{path}: file not found; check the data source path")
         if path.endswith(".jsonl"):
-            yield from _iter_jsonl(path)
+            for where, row in iter_jsonl(path):
+                yield where, _expect_object(row, where)
         else:
             yield from _iter_json(path)
         return
@@ -69,35 +73,11 @@ def iter_rows(source: Any, split: str = "train") -> Iterator[tuple[str, dict]]:
     yield from _iter_dataset(datasets.load_dataset(path, split=split), f"{path}[{split}]")
 
 
-def _iter_jsonl(path: str) -> Iterator[tuple[str, dict]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path} line {lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataFormatError(
-                    f"{where}: malformed JSON ({e.msg} at column {e.colno}); each line of a "
-                    ".jsonl file must be one complete JSON object"
-                ) from e
-            yield where, _expect_object(row, where)
-
-
 def _iter_json(path: str) -> Iterator[tuple[str, dict]]:
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        hint = ""
-        if text.lstrip().startswith("{") and "\n{" in text:
-            hint = " (it looks like JSON Lines: rename it to .jsonl)"
-        raise DataFormatError(
-            f"{path} line {e.lineno}: malformed JSON ({e.msg} at column {e.colno}); a .json file "
-            f"must hold one JSON array of row objects{hint}"
-        ) from e
+    data = read_json(path)
+    if isinstance(data, dict) and _looks_like_row(data):
+        yield path, data  # one conversation, not a list of them
+        return
     if isinstance(data, dict):
         # Some files wrap the rows: {"data": [...]} or {"train": [...]}.
         lists = [v for v in data.values() if isinstance(v, list)]
@@ -111,6 +91,10 @@ def _iter_json(path: str) -> Iterator[tuple[str, dict]]:
     for index, row in enumerate(data):
         where = f"{path} [{index}]"
         yield where, _expect_object(row, where)
+
+
+def _looks_like_row(data: dict) -> bool:
+    return any(key in data for key in ("conversations", "messages", "instruction"))
 
 
 def _iter_dataset(dataset: Any, name: str) -> Iterator[tuple[str, dict]]:
@@ -147,7 +131,7 @@ def detect_format(row: dict, where: str) -> str:
         return "sharegpt"
     if "messages" in row:
         return "openai"
-    if "instruction" in row and ("output" in row or "response" in row):
+    if "instruction" in row:
         return "alpaca"
     raise DataFormatError(
         f"{where}: unknown row format with keys {sorted(row)}; supported formats: {_SUPPORTED}. "
@@ -155,18 +139,30 @@ def detect_format(row: dict, where: str) -> str:
     )
 
 
-def normalize_row(row: dict, where: str, format: str = "auto") -> Conversation:
-    """Turn one row into a list of messages; it always holds at least one assistant turn."""
+def normalize_row(
+    row: dict, where: str, format: str = "auto", report: RowReport | None = None
+) -> Conversation:
+    """Turn one row into a list of messages; it always holds at least one assistant turn.
+
+    Raises :class:`RowSkipped` (a DataFormatError) for a row not worth training on (see
+    data/row_checks.py); a row whose repeated turns were merged is counted in ``report``."""
     if format not in FORMATS:
         raise DataFormatError(f"unknown data format {format!r}; use one of {list(FORMATS)}")
     fmt = detect_format(row, where) if format == "auto" else format
     if fmt == "sharegpt":
-        messages = _from_sharegpt(row, where)
+        turns = _from_sharegpt(row, where)
     elif fmt == "openai":
-        messages = _from_openai(row, where)
+        turns = _from_openai(row, where)
     else:
-        messages = _from_alpaca(row, where)
-    return _check_conversation(messages, where)
+        turns = _from_alpaca(row, where)
+    messages, merged = merge_repeated_roles(_check_turns(turns, where))
+    if merged and report is not None:
+        report.merge(where)
+    return messages
+
+
+# A turn before its checks: (role, content as found in the row, label for messages).
+_Turn = tuple[str, Any, str]
 
 
 def _turns(row: dict, key: str, where: str) -> list:
@@ -179,10 +175,14 @@ def _turns(row: dict, key: str, where: str) -> list:
     return turns
 
 
-def _from_sharegpt(row: dict, where: str) -> Conversation:
-    messages = []
+def _system(row: dict) -> list[_Turn]:
     if isinstance(row.get("system"), str) and row["system"]:
-        messages.append({"role": "system", "content": row["system"]})
+        return [("system", row["system"], "system")]
+    return []
+
+
+def _from_sharegpt(row: dict, where: str) -> list[_Turn]:
+    turns = _system(row)
     for i, turn in enumerate(_turns(row, "conversations", where)):
         if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
             raise DataFormatError(
@@ -194,12 +194,12 @@ def _from_sharegpt(row: dict, where: str) -> Conversation:
                 f"{where}: conversations[{i}] has unknown role 'from': {turn['from']!r}; "
                 f"allowed: {sorted(SHAREGPT_ROLES)}"
             )
-        messages.append({"role": role, "content": _text(turn["value"], where, i)})
-    return messages
+        turns.append((role, turn["value"], f"conversations[{i}]"))
+    return turns
 
 
-def _from_openai(row: dict, where: str) -> Conversation:
-    messages = []
+def _from_openai(row: dict, where: str) -> list[_Turn]:
+    turns = []
     for i, turn in enumerate(_turns(row, "messages", where)):
         if not isinstance(turn, dict) or "role" not in turn or "content" not in turn:
             raise DataFormatError(
@@ -210,43 +210,47 @@ def _from_openai(row: dict, where: str) -> Conversation:
                 f"{where}: messages[{i}] has unknown role {turn['role']!r}; allowed: "
                 f"{list(ROLES)} (drop tool/function turns before training)"
             )
-        messages.append({"role": turn["role"], "content": _text(turn["content"], where, i)})
-    return messages
+        turns.append((turn["role"], turn["content"], f"messages[{i}]"))
+    return turns
 
 
-def _from_alpaca(row: dict, where: str) -> Conversation:
-    answer = row.get("output", row.get("response"))
-    if answer is None:
-        raise DataFormatError(f"{where}: Alpaca row needs 'output' or 'response'")
+def _from_alpaca(row: dict, where: str) -> list[_Turn]:
+    key = "output" if row.get("output") is not None else "response"
+    if row.get(key) is None:
+        raise DataFormatError(
+            f"{where}: Alpaca row (it has 'instruction') is missing 'output' (or 'response'), "
+            "the answer to train on; add it, or use the file as self-distillation prompts"
+        )
     prompt = _text(row.get("instruction"), where, "instruction")
     extra = row.get("input") or ""
     if extra:
         prompt = f"{prompt}\n\n{_text(extra, where, 'input')}"
-    messages = []
-    if isinstance(row.get("system"), str) and row["system"]:
-        messages.append({"role": "system", "content": row["system"]})
-    messages.append({"role": "user", "content": prompt})
-    messages.append({"role": "assistant", "content": _text(answer, where, "output")})
-    return messages
+    return [*_system(row), ("user", prompt, "instruction"), ("assistant", row[key], key)]
 
 
-def _text(value: Any, where: str, field: Any) -> str:
+def _text(value: Any, where: str, label: str) -> str:
     """Content must be text; OpenAI-style lists of {"type": "text", "text": ...} parts are
     joined."""
-    if isinstance(value, str):
-        return value
     if isinstance(value, list) and all(isinstance(p, dict) and "text" in p for p in value):
-        return "".join(str(p["text"]) for p in value)
-    raise DataFormatError(
-        f"{where}: turn {field} content must be a string, got {type(value).__name__}"
-    )
+        value = "".join(str(p["text"]) for p in value)
+    if not isinstance(value, str):
+        raise DataFormatError(
+            f"{where}: {label} content must be a string, got {type(value).__name__}"
+        )
+    return value
 
 
-def _check_conversation(messages: Conversation, where: str) -> Conversation:
+def _check_turns(turns: list[_Turn], where: str) -> Conversation:
     # Assistant turns before the first user turn have no prompt to answer (some ShareGPT dumps
     # start with a greeting); chat templates cannot render them as a continuation, so drop them.
-    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
-    messages = [m for i, m in enumerate(messages) if i >= first_user or m["role"] != "assistant"]
+    first_user = next((i for i, t in enumerate(turns) if t[0] == "user"), len(turns))
+    turns = [t for i, t in enumerate(turns) if i >= first_user or t[0] != "assistant"]
+    messages = []
+    for role, value, label in turns:
+        content = check_text(_text(value, where, label), where, label)
+        if role == "assistant":
+            check_answer(content, where, label)
+        messages.append({"role": role, "content": content})
     if not any(m["role"] == "assistant" for m in messages):
         raise DataFormatError(
             f"{where}: conversation has no assistant turn after a user turn, so it has nothing "
@@ -263,12 +267,23 @@ def read_conversations(
     source: Any, format: str = "auto", max_rows: int | None = None, split: str = "train"
 ) -> list[Conversation]:
     """Read and normalise up to ``max_rows`` rows of ``source`` (file path, hub spec or
-    ``datasets.Dataset``)."""
-    conversations = []
+    ``datasets.Dataset``). Degenerate rows are skipped or mended (data/row_checks.py) and
+    counted in one warning per source."""
+    conversations: list[Conversation] = []
+    report = RowReport()
     for where, row in iter_rows(source, split=split):
         if max_rows is not None and len(conversations) >= max_rows:
             break
-        conversations.append(normalize_row(row, where, format))
+        report.rows += 1
+        try:
+            conversations.append(normalize_row(row, where, format, report))
+        except RowSkipped as skipped:
+            report.skip(skipped)
+    report.log(_describe(source))
+    if not conversations and report.skipped:
+        raise DataFormatError(
+            f"{_describe(source)}: every row was skipped: {report.describe_skips()}; fix the rows"
+        )
     if not conversations:
         raise DataFormatError(f"{_describe(source)}: empty dataset; point it at a file with rows")
     return conversations
@@ -306,8 +321,8 @@ def _prompt_turns(row: dict, where: str) -> list[str]:
         return [f"{row['instruction']}\n\n{extra}" if extra else row["instruction"]]
     if "conversations" in row or "messages" in row:
         fmt = "sharegpt" if "conversations" in row else "openai"
-        messages = _from_sharegpt(row, where) if fmt == "sharegpt" else _from_openai(row, where)
-        turns = [m["content"] for m in messages if m["role"] == "user"]
+        raw = _from_sharegpt(row, where) if fmt == "sharegpt" else _from_openai(row, where)
+        turns = [_text(value, where, label) for role, value, label in raw if role == "user"]
         if turns:
             return turns
     raise DataFormatError(

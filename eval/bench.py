@@ -104,14 +104,12 @@ def load_bench_prompts(cfg: BenchConfig) -> list[dict]:
 
 
 def encode_chat(tokenizer, messages: list[dict], chat_template: str | None = None) -> Tensor:
-    """messages -> input ids [1, T] of the chat template with the assistant prompt appended."""
-    from data import resolve_chat_template
+    """messages -> input ids [1, T] of the chat template with the assistant prompt appended
+    (data.chat.ChatEncoder, as training and self-distillation encode them)."""
+    from data.chat import ChatEncoder
 
-    template = resolve_chat_template(tokenizer, chat_template)
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, chat_template=template
-    )
-    return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    ids = ChatEncoder(tokenizer, chat_template).prompt(messages)
+    return torch.tensor([ids], dtype=torch.long)
 
 
 @torch.inference_mode()

@@ -15,12 +15,14 @@ import argparse
 import json
 from pathlib import Path
 
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 import heads
+from data.config import DataConfig
+from data.prepare import prepare_data
 from eval.tree import expected_acceptance_paths
 from eval.tree_fit import rank_accuracy
-from train.run import prepare_data
 from train.rundir import CONFIG_FILE, HEAD_DIR, load_target_config
 
 
@@ -43,7 +45,8 @@ def main() -> None:
     cfg = OmegaConf.load(args.run_dir / CONFIG_FILE)
     target = load_target_config(OmegaConf.to_container(cfg.model, resolve=True))
     head = heads.from_pretrained(args.head or args.run_dir / HEAD_DIR, target).eval()
-    data = prepare_data(cfg.data, target)
+    # _target_ given here too: a run dir from before data.config.DataConfig has none
+    data = prepare_data(instantiate(cfg.data, _target_=DataConfig, _convert_="all"), target)
     accuracy = rank_accuracy(head, target, data.val, args.max_rank, args.against)
     out = args.out or args.run_dir / "conf" / "tree"
     out.mkdir(parents=True, exist_ok=True)

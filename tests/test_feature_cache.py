@@ -292,8 +292,6 @@ def test_run_builds_train_and_val_caches(tiny_llama, tmp_path, monkeypatch):
     train_set, val_set = feature_datasets(PreparedData(data.train, []), tiny_llama, None, cfg)
     assert (tmp_path / "mine" / "train" / "index.json").exists()
     assert len(train_set) == 7 and len(val_set) == 0 and "aux" not in train_set[6]
-    with pytest.raises(ValueError, match="features=disk"):
-        feature_datasets(data, tiny_llama, None, OmegaConf.merge(cfg, {"features": "memory"}))
 
 
 # ---- values outside the dtype's range ------------------------------------------------------

@@ -1,21 +1,10 @@
-"""data/features.py: target features computed once, batched = unbatched, saved and reloaded."""
+"""data/features.py: target features computed once, batched = unbatched, lazily per example."""
 
 from __future__ import annotations
 
-import os
-
-import pytest
 import torch
 
-from data import (
-    FeatureCacheMismatch,
-    collate,
-    compute_features,
-    feature_meta,
-    load_feature_file,
-    read_feature_meta,
-    save_feature_file,
-)
+from data import collate, compute_features
 from data.features import length_batches
 
 
@@ -65,42 +54,6 @@ def test_features_dtype_and_collate(tiny_llama):
     batch = collate(out)
     assert batch["hidden"].shape == (5, 12, tiny_llama.hidden_size)
     assert batch["hidden"][1, 3:].abs().sum() == 0  # the 3-token example is zero-padded
-
-
-def test_save_load_round_trip(tiny_llama, tmp_path):
-    examples = compute_features(make_examples(), tiny_llama, layers=[1], progress=False)
-    meta = feature_meta(tiny_llama, layers=[1])
-    path = str(tmp_path / "cache" / "features.safetensors")
-    save_feature_file(examples, path, meta)
-    assert os.listdir(tmp_path / "cache") == ["features.safetensors"]  # no tmp file left
-    stored = read_feature_meta(path)
-    assert stored["fingerprint"] == tiny_llama.fingerprint and stored["layers"] == [1]
-    assert stored["num_examples"] == 5 and stored["num_tokens"] == 36
-    assert stored["dtype"] == "torch.float16"
-
-    loaded = load_feature_file(path, expected_meta=meta)
-    assert len(loaded) == len(examples)
-    for a, b in zip(examples, loaded, strict=True):
-        assert set(a) == set(b) == {"input_ids", "loss_mask", "hidden", "aux"}
-        for key in a:
-            assert torch.equal(a[key], b[key]) and a[key].dtype == b[key].dtype
-
-
-def test_load_refuses_another_target_or_layers(tiny_llama, tmp_path):
-    examples = compute_features(make_examples(lengths=(4, 6)), tiny_llama, progress=False)
-    path = str(tmp_path / "f.safetensors")
-    save_feature_file(examples, path, feature_meta(tiny_llama))
-
-    other = {"fingerprint": "0123456789abcdef", "layers": None}
-    with pytest.raises(FeatureCacheMismatch) as err:
-        load_feature_file(path, expected_meta=other)
-    message = str(err.value)
-    assert tiny_llama.fingerprint in message and "0123456789abcdef" in message
-    assert path in message and "delete the file" in message
-
-    with pytest.raises(FeatureCacheMismatch, match=r"layers=None .* layers=\[1, 2\]"):
-        load_feature_file(path, expected_meta=feature_meta(tiny_llama, layers=[1, 2]))
-    assert len(load_feature_file(path, expected_meta=feature_meta(tiny_llama))) == 2
 
 
 def test_lazy_features_match_batched_and_are_computed_once(tiny_llama):

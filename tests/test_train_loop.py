@@ -212,21 +212,6 @@ def test_wandb_offline_writes_locally(tmp_path, monkeypatch):
     assert read_metrics(tmp_path / "run") == [{"step": 1, "train/loss": 2.0}]
 
 
-def test_token_budget_keeps_the_first_examples_and_cuts_the_last():
-    from train.run import _token_budget
-
-    def example(answer: int) -> dict:
-        mask = torch.tensor([0, 0] + [1] * answer + [0])
-        return {"input_ids": torch.arange(len(mask)), "loss_mask": mask}
-
-    examples = [example(4), example(5), example(6)]
-    kept = _token_budget(examples, 7)
-    assert [int(e["loss_mask"].sum()) for e in kept] == [4, 3]
-    assert kept[1]["loss_mask"].tolist() == [0, 0, 1, 1, 1, 0, 0, 0]  # the first 3 answer tokens
-    assert examples[1]["loss_mask"].sum() == 5  # the input is not changed
-    assert len(_token_budget(examples, 100)) == 3
-
-
 def test_wandb_offline_records_artifact_plots_and_report(tmp_path, monkeypatch):
     from PIL import Image
 

@@ -7,11 +7,9 @@ instantiated here, at the edge; everything below takes dataclasses.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -21,19 +19,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 import heads
-from data.dataset import (
-    DataSource,
-    ExampleDataset,
-    build_examples,
-    collate,
-    corpus_stats,
-    load_conversations,
-    split_examples,
-)
-from data.errors import ConfigError
+from data.config import DataConfig
+from data.dataset import ExampleDataset, collate, corpus_stats
 from data.feature_cache import default_cache_dir, examples_sha1, open_or_build_feature_cache
 from data.features import LazyFeatureDataset
-from data.paths import cache_root, resolve_path
+from data.paths import resolve_path
+from data.prepare import PreparedData, prepare_data
 from heads.base import CONFIG_NAME, WEIGHTS_NAME, is_foreign_head, load_head_tensors, warm_start
 from heads.target import Target, load_target
 from heads.vocab import count_tokens
@@ -45,93 +36,15 @@ from train.tracking import Tracker, env_rank
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class PreparedData:
-    train: list[dict]
-    val: list[dict]
-
-
-def self_distilled_source(data_cfg: DictConfig, target: Target) -> DataSource | None:
-    """`data.self_distill.enabled`: regenerate the prompts' answers with the target (once: a
-    later run with the same target and settings reuses the file, a killed one continues it) and
-    train on that instead of `data.sources`. Under `accelerate launch` the ranks share the work.
-    """
-    sd = data_cfg.get("self_distill")
-    if not sd or not sd.get("enabled"):
-        return None
-    from data.distill import DistillConfig, distill
-
-    fields = {k: v for k, v in OmegaConf.to_container(sd, resolve=True).items() if k != "enabled"}
-    if not fields.get("out"):
-        key = json.dumps({k: v for k, v in fields.items() if k != "out"}, sort_keys=True)
-        digest = hashlib.sha1(key.encode()).hexdigest()[:12]
-        fields["out"] = str(cache_root() / "distill" / f"{target.fingerprint[:12]}-{digest}.jsonl")
-    cfg = DistillConfig(**fields)
-    rank, world, barrier = _process_ranks()
-    stats = distill(
-        target, cfg, rank, world, data_cfg.get("chat_template"), barrier, progress=rank == 0
-    )
-    log.info("self-distilled data %s (this run generated %s)", cfg.out, stats)
-    return DataSource(path=cfg.out)
-
-
-def prepare_data(data_cfg: DictConfig, target: Target) -> PreparedData:
-    """Read, tokenize and split the conversations (the same on every process)."""
-    distilled = self_distilled_source(data_cfg, target)
-    sources = [distilled] if distilled else [instantiate(s) for s in data_cfg.sources]
-    sources = [
-        DataSource(**{**vars(s), "path": str(resolve_path(s.path))})
-        if isinstance(s, DataSource)
-        else s
-        for s in sources
-    ]
-    conversations = load_conversations(sources)
-    examples = build_examples(
-        conversations, target.tokenizer, data_cfg.max_length, data_cfg.get("chat_template")
-    )
-    train_ex, val_ex = split_examples(examples, data_cfg.val_fraction, data_cfg.split_seed)
-    if data_cfg.get("max_train_examples"):
-        train_ex = train_ex[: data_cfg.max_train_examples]
-    if data_cfg.get("max_train_tokens"):
-        train_ex = _token_budget(train_ex, data_cfg.max_train_tokens)
-    if data_cfg.get("max_val_examples"):
-        val_ex = val_ex[: data_cfg.max_val_examples]
-    log.info("train %s | val %s", corpus_stats(train_ex), corpus_stats(val_ex))
-    return PreparedData(train_ex, val_ex)
-
-
-def _token_budget(examples: list, budget: int) -> list:
-    """The first examples whose loss (assistant) tokens add up to `budget` (the last one cut
-    short), so that two data sets can be compared at the same number of training tokens."""
-    kept, total = [], 0
-    for example in examples:
-        if total >= budget:
-            break
-        n = int(example["loss_mask"].sum())
-        if total + n > budget:
-            mask = example["loss_mask"].clone()
-            mask[mask.cumsum(0) > budget - total] = 0
-            example = {**example, "loss_mask": mask}
-            n = int(mask.sum())
-        kept.append(example)
-        total += n
-    if total < budget:
-        log.warning("data.max_train_tokens=%d but the training split has only %d", budget, total)
-    return kept
-
-
-def feature_datasets(data: PreparedData, target: Target, layers, data_cfg: DictConfig):
+def feature_datasets(data: PreparedData, target: Target, layers, data_cfg: DataConfig):
     """Train/val datasets with target features: "memory" computes each example's features the
     first time it is read and keeps them for every later epoch; "disk" reads them from a
-    sharded on-disk cache, built first where missing; "online" recomputes per batch."""
+    sharded on-disk cache, built first where missing; "online" recomputes per batch (DataConfig
+    has checked the mode and the dtype)."""
     if data_cfg.features == "online":
         return ExampleDataset(data.train), ExampleDataset(data.val)
     if data_cfg.features == "disk":
         return disk_feature_datasets(data, target, layers, data_cfg)
-    if data_cfg.features != "memory":
-        raise ConfigError(f"data.features={data_cfg.features!r}: use 'memory', 'disk' or 'online'.")
-    if data_cfg.feature_dtype == "int8":
-        raise ConfigError("data.feature_dtype=int8 needs data.features=disk (or use bfloat16).")
     dtype = getattr(torch, data_cfg.feature_dtype)
     return (
         LazyFeatureDataset(data.train, target, layers, dtype),
@@ -139,7 +52,7 @@ def feature_datasets(data: PreparedData, target: Target, layers, data_cfg: DictC
     )
 
 
-def disk_feature_datasets(data: PreparedData, target: Target, layers, data_cfg: DictConfig):
+def disk_feature_datasets(data: PreparedData, target: Target, layers, data_cfg: DataConfig):
     """Open (building what is missing) the on-disk caches `<data.feature_cache>/{train,val}`.
 
     `data.feature_cache: null` picks a folder per target, layer set, dtype and data (see
@@ -149,7 +62,7 @@ def disk_feature_datasets(data: PreparedData, target: Target, layers, data_cfg: 
     Shards are written to a per-process tmp file then renamed, and shards already on disk are
     skipped, so a killed build resumes.
     """
-    folder = data_cfg.get("feature_cache")
+    folder = data_cfg.feature_cache
     if folder is None:
         data_sha1 = examples_sha1(data.train + data.val)
         folder = default_cache_dir(target.fingerprint, layers, data_cfg.feature_dtype, data_sha1)
@@ -230,14 +143,15 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> TrainResul
     # the settings first: a typo should not wait for the target and the data to load
     trainer_cfg: TrainerConfig = instantiate(cfg.trainer)
     logger_cfg = instantiate(cfg.logger)
+    data_cfg: DataConfig = instantiate(cfg.data, _target_=DataConfig, _convert_="all")
     torch.manual_seed(cfg.seed)
     target = load_target(instantiate(cfg.model))
-    data = prepare_data(cfg.data, target)
+    data = prepare_data(data_cfg, target, _process_ranks)
     head = build_head(instantiate(cfg.head), target, data.train)
     if cfg.get("init_from"):
         init_head_weights(head, str(resolve_path(cfg.init_from)), target)
     if getattr(head, "uses_target_features", True):
-        train_set, val_set = feature_datasets(data, target, head.feature_layers(), cfg.data)
+        train_set, val_set = feature_datasets(data, target, head.feature_layers(), data_cfg)
     else:  # Medusa-2: the head runs its adapted target itself; cached features would be stale
         log.info("head %s computes its own features: data.features is not used", head.method)
         train_set, val_set = ExampleDataset(data.train), ExampleDataset(data.val)
