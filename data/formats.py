@@ -61,7 +61,7 @@ def iter_rows(source: Any, split: str = "train") -> Iterator[tuple[str, dict]]:
         yield from _iter_dataset(source, _dataset_name(source))
         return
     path = os.fspath(source)
-    if path.endswith((".json", ".jsonl")) or os.path.isfile(path):
+    if path.endswith((".json", ".jsonl")) or os.path.isfile(path) or _names_a_file(path):
         if path.endswith(".jsonl"):
             for where, row in iter_jsonl(path):
                 yield where, _expect_object(row, where)
@@ -71,6 +71,17 @@ def iter_rows(source: Any, split: str = "train") -> Iterator[tuple[str, dict]]:
     import datasets  # imported lazily: it is slow to import and only needed for hub data
 
     yield from _iter_dataset(datasets.load_dataset(path, split=split), f"{path}[{split}]")
+
+
+# Suffixes of data files: a missing path with one of them is a missing file, not a hub name.
+_FILE_SUFFIXES = (".json", ".jsonl", ".gz", ".parquet", ".csv", ".tsv", ".txt", ".arrow")
+
+
+def _names_a_file(path: str) -> bool:
+    """A path that is no hub dataset name: absolute, ./ or ~ relative, or a file suffix."""
+    return not os.path.isdir(path) and (
+        os.path.isabs(path) or path.startswith((".", "~")) or path.endswith(_FILE_SUFFIXES)
+    )
 
 
 def _iter_json(path: str) -> Iterator[tuple[str, dict]]:

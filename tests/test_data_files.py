@@ -107,6 +107,14 @@ def test_a_directory_named_like_a_data_file(tmp_path):
     assert message.startswith(f"{folder}: is a directory, not a data file")
 
 
+@pytest.mark.parametrize("name", ["rows.parquet", "./rows", "sub/rows.txt"])
+def test_a_missing_local_file_is_not_looked_up_on_the_hub(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataFormatError) as err:
+        read_conversations(name)
+    assert str(err.value) == f"{name}: file not found; check the data source path"
+
+
 @pytest.mark.parametrize(
     "row",
     [GOOD, {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}],
