@@ -39,6 +39,7 @@ import torch
 
 from data.chat import ChatEncoder
 from data.formats import DataFormatError, read_prompts
+from data.json_files import iter_jsonl
 from data.paths import atomic_write, resolve_path
 
 log = logging.getLogger(__name__)
@@ -191,16 +192,15 @@ def repair_tail(path: Path) -> int:
 
 
 def read_rows(path: Path) -> Iterator[dict]:
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise DataFormatError(
-                        f"{path}:{number}: not JSON ({err.msg}); the file was edited or "
-                        "corrupted: remove that line and run again to regenerate it"
-                    ) from None
+    """The rows of an output, part or skipped file, read as data files are (data/json_files.py)."""
+    try:
+        for _, row in iter_jsonl(str(path)):
+            yield row
+    except DataFormatError as err:
+        raise DataFormatError(
+            f"{err} (self-distillation wrote this file: remove that line and run again to "
+            "regenerate it)"
+        ) from None
 
 
 def done_keys(out: Path) -> set[str]:

@@ -212,3 +212,14 @@ def test_template_file_of_any_extension_is_read(tokenizer, tmp_path):
     assert resolve_chat_template(tokenizer, str(path)) == CHATML_TEMPLATE
     (example,) = build_examples([[Q, A]], tokenizer, max_length=64, chat_template=str(path))
     assert tokenizer.decode(example["input_ids"]).startswith("<|im_start|>user\nq")
+
+
+def test_self_distillation_output_is_read_as_strictly(tmp_path):
+    from data.distill import done_keys
+
+    out = tmp_path / "sd.jsonl"
+    out.write_bytes(b'{"id": "a/1/0"}\n{"id": "a/2/0", "note": "\xff"}\n')
+    with pytest.raises(DataFormatError) as err:
+        done_keys(out)
+    assert str(err.value).startswith(f"{out} line 2: not UTF-8 (byte 0xff at offset 41)")
+    assert "remove that line and run again" in str(err.value)
