@@ -8,8 +8,8 @@ from eval.tree import (
     build_tree,
     build_tree_from_parents,
     chain_tree,
-    load_tree_paths,
 )
+from eval.tree_spec import TreeSpec, load_tree_spec, resolve_tree
 from eval.verify import (
     GreedyVerifier,
     SpeculativeSampler,
@@ -29,14 +29,16 @@ __all__ = [
     "SpeculativeGenerator",
     "SpeculativeSampler",
     "TreeBuffers",
+    "TreeSpec",
     "TypicalVerifier",
     "Verdict",
     "Verifier",
     "build_tree",
     "build_tree_from_parents",
     "chain_tree",
-    "load_tree_paths",
+    "load_tree_spec",
     "make_verifier",
     "plain_decode",
     "plain_greedy",
+    "resolve_tree",
 ]

@@ -27,7 +27,6 @@ import torch
 from torch import Tensor
 
 from data.paths import resolve_path
-from eval.dynamic_tree import resolve_tree, spec_depth, spec_nodes, tree_spec
 from eval.methods import (
     BASELINES,
     HFGenerateMethod,
@@ -37,6 +36,7 @@ from eval.methods import (
     eos_token_ids,
     head_method,
 )
+from eval.tree_spec import resolve_tree
 
 log = logging.getLogger(__name__)
 
@@ -267,10 +267,12 @@ def run(cfg) -> dict:
     names = list(cfg.methods)
     head, meta = None, {"tree": _choice("tree"), "verifier": _choice("verifier")}
     loaded: dict[str, object] = {}  # one copy of a head folder named by several entries
+    allow_other = bool(cfg.get("allow_other_target", False))  # heads trained on another model
 
     def load(path: str):
         if path not in loaded:
-            head = heads.from_pretrained(resolve_path(path), target)
+            where = path if path.startswith(heads.HUB_PREFIX) else resolve_path(path)
+            head = heads.from_pretrained(where, target, allow_other_target=allow_other)
             loaded[path] = head.to(target.device).eval()
         return loaded[path]
 
@@ -280,8 +282,8 @@ def run(cfg) -> dict:
     elif "head" in names:
         log.warning("head_path is null: running the method 'head' is skipped (%s)", names)
         names = [n for n in names if n != "head"]
-    tree = tree_spec(OmegaConf.to_container(cfg.tree, resolve=True))  # paths, or dynamic
-    meta |= {"tree_nodes": spec_nodes(tree), "tree_depth": spec_depth(tree)}
+    tree = resolve_tree(OmegaConf.to_container(cfg.tree, resolve=True))  # paths, or dynamic
+    meta |= {"tree_nodes": tree.num_nodes, "tree_depth": tree.depth}
     max_context = cfg.get("max_context")
     methods = build_methods(
         target, names, head, tree, verifier, cfg.prompt_lookup_num_tokens, max_context
@@ -299,8 +301,8 @@ def run(cfg) -> dict:
             "path": str(entry["path"]),
             "method": one.method,
             "tree": entry["tree"] if isinstance(entry["tree"], str) else "inline",
-            "tree_nodes": spec_nodes(head_tree),
-            "tree_depth": spec_depth(head_tree),
+            "tree_nodes": head_tree.num_nodes,
+            "tree_depth": head_tree.depth,
         }
     _check_adapted(target, loaded, meta)
     setup = BenchRun(bench, cfg.model.get("chat_template"), cfg.near_tie_gap, meta)
@@ -336,14 +338,14 @@ def log_to_tracker(summary: dict, out_dir, logger_cfg, config: dict) -> None:
 
 
 def _check_adapted(target, loaded: dict, meta: dict) -> None:
-    """A Medusa-2 head adapts the target it is loaded onto, so every method of the run (the
-    baselines too) decodes with the adapted target: fine for that head alone, wrong for others."""
-    from heads.medusa2 import is_adapted
-
-    meta["target_adapted"] = is_adapted(target)
-    if meta["target_adapted"] and len(loaded) > 1:
+    """A head that adapts the target it is loaded onto (Medusa-2's LoRA) makes every method of
+    the run (the baselines too) decode with the adapted target: fine for that head alone, wrong
+    for others."""
+    adapting = sorted(path for path, head in loaded.items() if type(head).adapts_target)
+    meta["target_adapted"] = bool(adapting)
+    if adapting and len(loaded) > 1:
         raise ValueError(
-            f"heads {sorted(loaded)}: a Medusa-2 head adapts the target (LoRA), which would "
+            f"heads {sorted(loaded)}: {adapting[0]} adapts the target (LoRA), which would "
             "change what every other head is verified against; benchmark it in a run of its own."
         )
 

@@ -1,5 +1,5 @@
 """EAGLE-2 dynamic draft trees (Li et al., 2024, "EAGLE-2: Faster Inference of Language Models
-with Dynamic Draft Trees"), and the tree choice a config makes (static paths or dynamic).
+with Dynamic Draft Trees"). Which tree a config chooses (static or dynamic) is eval/tree_spec.py.
 
 A dynamic tree is grown from the draft's own confidence: the cumulative log-probability of a
 node is the sum of the draft's log-probabilities along its path. Growing (`grow_dynamic_tree`):
@@ -14,9 +14,8 @@ against brute-force enumeration; the EAGLE proposer supplies the draft model as 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -118,89 +117,9 @@ def select_dynamic_tree(candidates: Candidates, total_tokens: int) -> tuple[Tens
     return kept, parents
 
 
-# ---- the tree a config chooses -------------------------------------------------------------
-
-TreeSpec = list[list[int]] | DynamicTreeConfig
-
-
-def tree_spec(doc: Mapping | Sequence | DynamicTreeConfig) -> TreeSpec:
-    """A conf/tree choice: `{paths: [...]}` (static; or the list itself) or
-    `{depth, top_k, total_tokens}` (dynamic, EAGLE heads only)."""
-    if isinstance(doc, DynamicTreeConfig):
-        return doc
-    if isinstance(doc, Sequence) and not isinstance(doc, str):
-        return [list(p) for p in doc]
-    doc = dict(doc)
-    if "paths" in doc:
-        return [list(p) for p in doc["paths"]]
-    keys = {"depth", "top_k", "total_tokens"}
-    if not doc.keys() <= keys:
-        raise ValueError(
-            f"tree config {sorted(doc)}: give `paths` (a static tree) or any of {sorted(keys)} "
-            "(an EAGLE-2 dynamic tree)."
-        )
-    return DynamicTreeConfig(**{k: int(v) for k, v in doc.items()})
-
-
-def load_tree_spec(path: str | Path) -> TreeSpec:
-    """Read a conf/tree/*.yaml file: static paths or a dynamic tree."""
-    import yaml
-
-    doc = yaml.safe_load(Path(path).read_text())
-    if not isinstance(doc, dict):
-        raise ValueError(f"{path}: expected a mapping (`paths`, or depth/top_k/total_tokens).")
-    return tree_spec(doc)
-
-
-def resolve_tree(tree: int | str | Path | Mapping | Sequence | DynamicTreeConfig) -> TreeSpec:
-    """Any way a config names a tree: an int d (a chain of d top-1 tokens), a conf/tree option
-    name (`tree16`, `dynamic`), a *.yaml path, a `{paths: ...}` / `{depth, top_k, total_tokens}`
-    mapping, a list of paths, or a DynamicTreeConfig."""
-    from data.paths import resolve_path
-    from eval.tree import chain_paths
-
-    if isinstance(tree, bool):
-        raise ValueError(f"tree={tree!r}: give a conf/tree name, a yaml path, paths or an int.")
-    if isinstance(tree, int):
-        return tree_spec(chain_paths(tree))
-    if isinstance(tree, (str, Path)):
-        name = str(tree)
-        if "/" not in name and not name.endswith((".yaml", ".yml")):
-            path = resolve_path(f"conf/tree/{name}.yaml")
-            if not path.is_file():
-                known = sorted(p.stem for p in path.parent.glob("*.yaml"))
-                raise ValueError(f"tree={name!r}: no conf/tree/{name}.yaml; known: {known}.")
-            return load_tree_spec(path)
-        path = resolve_path(name)
-        if not path.is_file():
-            raise FileNotFoundError(f"tree={name!r}: no such tree file.")
-        return load_tree_spec(path)
-    return tree_spec(tree)
-
-
-def spec_depth(spec: TreeSpec) -> int:
-    """Deepest draft token the tree can hold."""
-    if isinstance(spec, DynamicTreeConfig):
-        return spec.depth
-    return max(map(len, spec), default=0)
-
-
-def spec_nodes(spec: TreeSpec) -> int:
-    """Nodes verified per step (at most, for a dynamic tree), the root included."""
-    if isinstance(spec, DynamicTreeConfig):
-        return spec.total_tokens
-    return len(spec) + 1
-
-
 __all__ = [
     "Candidates",
     "DynamicTreeConfig",
-    "TreeSpec",
     "grow_dynamic_tree",
-    "load_tree_spec",
-    "resolve_tree",
     "select_dynamic_tree",
-    "spec_depth",
-    "spec_nodes",
-    "tree_spec",
 ]

@@ -26,6 +26,7 @@ from torch import Tensor
 from eval.dynamic_tree import DynamicTreeConfig, grow_dynamic_tree, select_dynamic_tree
 from eval.proposers import DecodeState
 from eval.tree import Draft, TreeBuffers, build_tree_from_parents
+from heads.base import FeatureDrafter
 from heads.draft_layer import DraftCache
 
 
@@ -61,6 +62,9 @@ class EagleProposer:
     The draft cache lives across steps; a state that starts at position 0 (a prefill) starts a
     new one, so one proposer serves any number of generations, one at a time.
     """
+
+    drafts = FeatureDrafter
+    dynamic_trees = True
 
     def __init__(
         self,

@@ -76,9 +76,9 @@ def run_context(run_dir: Path | None) -> dict:
 
 
 def check_tree(head) -> int | str:
-    """A tree every head can decode: tree16 (depth 4), or a chain as deep as a Medusa head."""
-    num_heads = getattr(getattr(head, "config", None), "num_heads", None)
-    return "tree16" if num_heads is None or num_heads >= 4 else int(num_heads)
+    """A tree the head can decode: tree16 (depth 4), or a chain as deep as the head drafts."""
+    depth = head.max_draft_depth
+    return "tree16" if depth is None or depth >= 4 else int(depth)
 
 
 def round_trip(head, target, imported, imported_target, prompts: int, max_new_tokens: int):
@@ -167,11 +167,11 @@ def export_draft(
 
 def _load_target(head_dir: Path, context: dict):
     """The target the head was trained on: the run's model config, else the head's record."""
-    from heads.base import read_head_config
+    from heads.folder import read_head_config
 
     model = dict(context.get("config", {}).get("model") or {})
     if not model:
-        name = read_head_config(head_dir).get("target", {}).get("name_or_path")
+        name = read_head_config(head_dir)["target"].get("name_or_path")
         model = {"name_or_path": _embedded_alias(name)}
     return load_target_config(model)
 
@@ -189,21 +189,23 @@ def _embedded_alias(name: str | None) -> str:
 
 
 def _reimport(folder: Path, fmt: str, target, head_dir: Path, context: dict):
-    """(the exported folder loaded back, its target). A native Medusa-2 folder adapts its
-    target in place, so it is loaded onto a fresh copy of the target."""
+    """(the exported folder loaded back, its target). A native folder of a head that adapts its
+    target in place (Medusa-2) is loaded onto a fresh copy of the target."""
     import heads
     from heads import interop
 
     if fmt == "native":
-        fresh = _load_target(head_dir, context) if _is_medusa2(head_dir) else target
+        fresh = _load_target(head_dir, context) if _adapts_target(head_dir) else target
         return heads.from_pretrained(folder, fresh).eval(), fresh
     return interop.import_draft(folder, target).eval(), target
 
 
-def _is_medusa2(head_dir: Path) -> bool:
-    from heads.base import read_head_config
+def _adapts_target(head_dir: Path) -> bool:
+    """Whether the head in `head_dir` changes the target it is loaded onto (Medusa-2)."""
+    import heads
+    from heads.folder import read_head_config
 
-    return read_head_config(head_dir).get("method") == "medusa2"
+    return heads.head_class(read_head_config(head_dir)["method"]).adapts_target
 
 
 def _bench_summary(bench: str | Path | None) -> dict | None:

@@ -16,9 +16,9 @@ from torch import Tensor
 
 from data.paths import resolve_path
 from eval.bench import encode_chat
-from eval.dynamic_tree import DynamicTreeConfig, resolve_tree
 from eval.generator import SpeculativeGenerator
 from eval.methods import eos_token_ids, make_proposer
+from eval.tree_spec import resolve_tree
 from eval.verify import GreedyVerifier
 
 
@@ -26,11 +26,11 @@ class TauEvaluator:
     """`evaluator(head, target) -> {"tau": float, "tau_per_request": float}`.
 
     prompts_path: a prompt JSONL (data.read_prompts); the first `limit` questions' first turns.
-    tree: a conf/tree option name (`tree16`, `dynamic`) or *.yaml file, a list of paths
-          (e.g. [[0], [0, 0]]), an int d for a chain of d top-1 tokens (e.g. `tree:
-          ${head.num_heads}` in a Hydra config), or an EAGLE-2 dynamic tree (a DynamicTreeConfig
-          or a mapping {depth, top_k, total_tokens}; EAGLE and EAGLE-3 heads only). A Medusa
-          tree must be no deeper than the head drafts (K heads draft K tokens).
+    tree: anything eval.tree_spec.resolve_tree takes: a conf/tree option name (`tree16`,
+          `dynamic`) or *.yaml file, a list of paths (e.g. [[0], [0, 0]]), an int d for a chain
+          of d top-1 tokens (e.g. `tree: ${head.num_heads}` in a Hydra config), or an EAGLE-2
+          dynamic tree (a mapping {depth, top_k, total_tokens}; EAGLE and EAGLE-3 heads only).
+          A Medusa tree must be no deeper than the head drafts (K heads draft K tokens).
     chat_template: for tokenizers without one (see data.resolve_chat_template).
     The head is put in eval mode for the call and back in its previous mode afterwards.
     """
@@ -40,7 +40,7 @@ class TauEvaluator:
         prompts_path: str | Path,
         limit: int = 4,
         max_new_tokens: int = 32,
-        tree: int | str | Path | list | dict | DynamicTreeConfig = "conf/tree/chain.yaml",
+        tree: int | str | Path | list | dict = "conf/tree/chain.yaml",
         chat_template: str | None = None,
     ):
         from data import read_prompts
@@ -53,8 +53,6 @@ class TauEvaluator:
         self.turns = [q["turns"][0] for q in read_prompts(str(path))[:limit]]
         self.max_new_tokens, self.chat_template = max_new_tokens, chat_template
         self.tree = resolve_tree(tree)
-        # the static paths (None for a dynamic tree)
-        self.tree_paths = None if isinstance(self.tree, DynamicTreeConfig) else self.tree
         self._encoded: tuple[object, list[Tensor]] | None = None  # (tokenizer, prompts)
 
     def _prompts(self, tokenizer) -> list[Tensor]:

@@ -5,38 +5,31 @@
 - `HFGenerateMethod`: Hugging Face `generate`, greedy, optionally with prompt-lookup decoding
   (external baselines),
 - `SpeculativeMethod`: a draft head's proposer + a verifier in `SpeculativeGenerator`.
-A new draft method plugs in by registering its proposer in `PROPOSERS` (head.method -> proposer).
+The proposer is the one in `PROPOSERS` that drafts with the head class's `drafting` Protocol, so
+a new draft method that drafts like Medusa or like EAGLE needs nothing here.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from data.generation import NEUTRAL_PROCESSORS, eos_token_ids
 from eval import kv_cache
-from eval.dynamic_tree import DynamicTreeConfig, TreeSpec, spec_depth, tree_spec
 from eval.eagle_proposer import EagleProposer
 from eval.generator import GenerationResult, SpeculativeGenerator, plain_decode
 from eval.proposers import MedusaProposer, Proposer
-from eval.tree import TreeBuffers, build_tree
+from eval.tree_spec import TreeSpec, resolve_tree
 from eval.verify import GreedyVerifier, Verifier
 
 BASELINES = ("plain", "hf_generate", "hf_prompt_lookup")
-# head.method -> proposer(head, tree): a static tree (TreeBuffers) or, for the methods in
-# DYNAMIC_TREE_METHODS, an EAGLE-2 DynamicTreeConfig.
-PROPOSERS: dict[str, Callable[[Any, TreeBuffers | DynamicTreeConfig], Proposer]] = {
-    "medusa": MedusaProposer,
-    "medusa2": MedusaProposer,  # the same heads; the target itself carries the adapter
-    "eagle": EagleProposer,
-    "eagle3": EagleProposer,
-}
-DYNAMIC_TREE_METHODS = ("eagle", "eagle3")
+# Every proposer; a head drafts with the one whose `drafts` is its class's `drafting`.
+PROPOSERS: tuple[type, ...] = (MedusaProposer, EagleProposer)
 
 
 @dataclass
@@ -181,37 +174,48 @@ class HFGenerateMethod:
         return Record(tokens, len(lengths), emitted[0], emitted[1:], seconds)
 
 
-def make_proposer(head, tree: TreeSpec) -> Proposer:
-    """The proposer for a draft head (see `PROPOSERS`) over `tree`: Medusa-style paths (static)
-    or a DynamicTreeConfig (EAGLE-2; EAGLE and EAGLE-3 heads only)."""
-    method = getattr(head, "method", None)
-    if method not in PROPOSERS:
-        raise ValueError(f"no proposer for head method {method!r}; known: {sorted(PROPOSERS)}.")
-    tree = tree_spec(tree)
-    if isinstance(tree, DynamicTreeConfig):
-        if method not in DYNAMIC_TREE_METHODS:
-            raise ValueError(
-                f"a {method!r} head drafts a static tree only; pick tree paths (conf/tree/tree16"
-                f".yaml, ...) instead of a dynamic tree (dynamic trees: {DYNAMIC_TREE_METHODS})."
-            )
-        return PROPOSERS[method](head, tree)
-    return PROPOSERS[method](head, build_tree(tree))
+def proposer_class(head) -> type:
+    """The proposer that drafts with `head`'s drafting Protocol (heads.base.DraftHead)."""
+    drafting = getattr(type(head), "drafting", None)
+    for proposer in PROPOSERS:
+        if proposer.drafts is drafting:
+            return proposer
+    raise ValueError(
+        f"no proposer drafts with a {type(head).__name__} (drafting={drafting!r}); give the head "
+        "class a `drafting` Protocol that a proposer in eval.methods.PROPOSERS serves."
+    )
+
+
+def make_proposer(head, tree) -> Proposer:
+    """The proposer for a draft head over `tree` (anything resolve_tree takes): static trees
+    for every head, EAGLE-2 dynamic trees where the proposer grows them."""
+    tree = resolve_tree(tree)
+    proposer = proposer_class(head)
+    if tree.dynamic is None:
+        return proposer(head, tree.buffers)
+    if not proposer.dynamic_trees:
+        raise ValueError(
+            f"a {head.method!r} head drafts a static tree only; pick tree paths (tree=tree16, "
+            "conf/tree/*.yaml) instead of a dynamic tree."
+        )
+    return proposer(head, tree.dynamic)
 
 
 def head_method(
     target,
     name: str,
     head,
-    tree: TreeSpec,
+    tree,
     verifier: Verifier | None = None,
     max_context: int | None = None,
 ) -> SpeculativeMethod:
-    """A draft head decoding over `tree` (static paths or an EAGLE-2 DynamicTreeConfig)."""
+    """A draft head decoding over `tree` (anything resolve_tree takes)."""
+    tree = resolve_tree(tree)
     proposer = make_proposer(head, tree)
     generator = SpeculativeGenerator(
         target.model, proposer, verifier or GreedyVerifier(), eos_token_ids(target), max_context
     )
-    return SpeculativeMethod(name, generator, spec_depth(tree_spec(tree)))
+    return SpeculativeMethod(name, generator, tree.depth)
 
 
 def build_methods(
@@ -225,7 +229,7 @@ def build_methods(
 ) -> list[Method]:
     """Methods by name: plain, hf_generate, hf_prompt_lookup, head (needs head + tree).
 
-    `tree`: static paths ([[0], [0, 0], ...]) or an EAGLE-2 DynamicTreeConfig (EAGLE heads).
+    `tree`: anything resolve_tree takes (a TreeSpec, paths, a conf/tree name, ...).
     `verifier` (default greedy) decides the tokens of `plain` and `head`; the HF baselines are
     always greedy.
     """
@@ -241,7 +245,7 @@ def build_methods(
         elif name == "hf_prompt_lookup":
             methods.append(HFGenerateMethod(name, model, eos, pad, prompt_lookup_num_tokens))
         elif name == "head":
-            if head is None or not tree:
+            if head is None or tree is None:
                 raise ValueError("method 'head' needs a trained head (head_path=...) and a tree.")
             methods.append(head_method(target, name, head, tree, verifier, max_context))
         else:

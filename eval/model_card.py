@@ -1,48 +1,52 @@
 """The model card (README.md) of an exported draft: Hub metadata, what the draft is, what it was
-trained on, what it measured, and how to serve it."""
+trained on, what it measured, and how to serve it.
+
+The card is meant for a public page, so it names local files without the machine's folders: a
+file inside the project by its path in the project, any other by its name and a content hash.
+What the method is comes from the head class (`title`, `hub_tag`), how to serve a format from
+heads.interop.
+"""
 
 from __future__ import annotations
 
-import json
+import hashlib
 from pathlib import Path
 
 import yaml
 
-METHOD_NAMES = {
-    "medusa": "Medusa-1 heads",
-    "medusa2": "Medusa-2 heads (with a LoRA adapter on the target)",
-    "eagle": "EAGLE-1 draft layer (EAGLE-2 dynamic trees at decode time)",
-    "eagle3": "EAGLE-3 draft layer",
-}
-METHOD_TAGS = {"medusa": "medusa", "medusa2": "medusa", "eagle": "eagle", "eagle3": "eagle3"}
+from data.paths import REPO_ROOT
+from heads.interop import serve_commands
+
 METRICS = ("tau", "tokens_per_s", "speedup_vs_plain", "greedy_mismatches", "requests")
 
 
-def serve_commands(fmt: str, base: str, repo: str, config: dict) -> list[str]:
-    """Shell commands that serve the base model with this draft, per format."""
-    if fmt in ("eagle3", "eagle"):  # vLLM's method name, SGLang's algorithm name
-        spec = json.dumps({"method": fmt, "model": repo, "num_speculative_tokens": 4})
-        return [
-            f"vllm serve {base} --speculative-config '{spec}'",
-            f"python -m sglang.launch_server --model-path {base} --speculative-algorithm "
-            f"{fmt.upper()} --speculative-draft-model-path {repo} --speculative-num-steps 4 "
-            "--speculative-eagle-topk 4 --speculative-num-draft-tokens 16",
-        ]
-    if fmt == "medusa":
-        k = int(config.get("num_heads", 4))
-        spec = json.dumps({"method": "medusa", "model": repo, "num_speculative_tokens": k})
-        return [f"vllm serve {base} --speculative-config '{spec}'   # vLLM <= 0.32.x"]
-    if fmt == "medusa_fd":
-        return [f"python -m medusa.inference.cli --model {repo}   # FasterDecoding/Medusa"]
-    return [
-        f"python evaluate.py head_path={repo} bench=mt_bench   # draftsmith's harness",
-        f"python train.py +experiment=... init_from={repo}   # continue training",
-    ]
+def public_path(text: str) -> str:
+    """`text` as a public page may show it: a local file or folder relative to the project, or
+    outside it by its name (plus a sha256 prefix for a file); other names (Hub datasets, paths
+    that are not here) as given, unless they climb out of the working folder."""
+    path = Path(text).expanduser()
+    if not (path.is_absolute() or path.exists() or text.startswith(("~", ".."))):
+        return text
+    full = path.resolve()
+    if full.is_relative_to(REPO_ROOT):
+        return full.relative_to(REPO_ROOT).as_posix()
+    if full.is_file():
+        return f"{full.name} (sha256 {_sha256(full)[:12]})"
+    return full.name
 
 
-def _front_matter(base: str, method: str, fmt: str) -> str:
-    tags = ["speculative-decoding", "draftsmith", METHOD_TAGS.get(method, method)]
-    if fmt not in ("native", METHOD_TAGS.get(method)):
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _front_matter(base: str, head, fmt: str) -> str:
+    tag = type(head).hub_tag
+    tags = ["speculative-decoding", "draftsmith", tag]
+    if fmt not in ("native", tag):
         tags.append(fmt)
     meta = {"base_model": base, "library_name": "draftsmith", "tags": tags}
     return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n"
@@ -64,12 +68,12 @@ def _data_section(context: dict) -> list[str]:
             skip, count = int(p.get("skip") or 0), p.get("max_rows")
             rows = f" (prompts {skip + 1}-{skip + count})" if count else ""
             rows = rows or (f" (from prompt {skip + 1})" if skip else "")
-            lines.append(f"- `{p['path']}`{rows}")
+            lines.append(f"- `{public_path(str(p['path']))}`{rows}")
     elif data.get("sources"):
         lines.append("Human-written conversations:")
         for s in data["sources"]:
             rows = f" (first {s['max_rows']} rows)" if s.get("max_rows") else ""
-            lines.append(f"- `{s.get('path')}`{rows}")
+            lines.append(f"- `{public_path(str(s.get('path')))}`{rows}")
     else:
         lines.append("Not recorded (the head folder was exported without its run dir).")
     stats = (context.get("data_stats") or {}).get("train")
@@ -123,13 +127,12 @@ def render_model_card(
     """README.md text for an export folder (plots: file names under plots/)."""
     from heads.target import EMBEDDED
 
-    base = target.name_or_path
+    base = public_path(target.name_or_path)
     embedded = next((a for a, (_, _, hub) in EMBEDDED.items() if hub == base), None)
-    method = head.method
     where = repo or "DRAFT_DIR"
     lines = [
-        _front_matter(base, method, fmt),
-        f"# {METHOD_NAMES.get(method, method)} for {base}",
+        _front_matter(base, head, fmt),
+        f"# {type(head).title} for {base}",
         "",
         f"A speculative-decoding draft for [{base}](https://huggingface.co/{base}), trained with "
         "draftsmith on the frozen target and exported in the "

@@ -6,12 +6,13 @@ The seam between a draft method and the decoding loop is one verb, `propose(stat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 from torch import Tensor
 
 from eval.tree import Draft, TreeBuffers
+from heads.base import ParallelDrafter
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,14 @@ class DecodeState:
 class Proposer(Protocol):
     """`propose(state) -> Draft`. A proposer that needs more of the target than its last hidden
     state sets `feature_layers` (a list of HF hidden_states indices): the generator then fills
-    `DecodeState.step_aux` with those layers (EAGLE-3)."""
+    `DecodeState.step_aux` with those layers (EAGLE-3).
+
+    Class attributes say which heads it serves: `drafts`, the drafting Protocol of heads.base a
+    head must declare as its `drafting`, and `dynamic_trees`, whether it takes an EAGLE-2
+    DynamicTreeConfig as well as static TreeBuffers (eval/methods.py reads both)."""
+
+    drafts: ClassVar[type]
+    dynamic_trees: ClassVar[bool]
 
     def propose(self, state: DecodeState) -> Draft: ...
 
@@ -61,6 +69,9 @@ class MedusaProposer:
     children are chosen deterministically, so the draft carries no draft_probs (see
     eval/verify.py: lossless sampling then treats each child as a point mass).
     """
+
+    drafts = ParallelDrafter
+    dynamic_trees = False
 
     def __init__(self, heads, tree: TreeBuffers):
         self.heads = heads

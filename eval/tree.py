@@ -8,14 +8,14 @@ cached prefix plus its own ancestors (`attn_mask`).
 Static trees come from Medusa-style "choices": a path `[r1, r2, ..., rd]` names the node reached
 by taking the r1-th best candidate at depth 1, then the r2-th best at depth 2, and so on (Cai et
 al., 2024). Dynamic trees (EAGLE-2) give arbitrary parent indices per step; both end up as the same
-`TreeBuffers` through `build_tree_from_parents`.
+`TreeBuffers` through `build_tree_from_parents`. Reading a tree from a config or a yaml file is
+eval/tree_spec.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -175,16 +175,6 @@ def root_only_draft(token: int, device: torch.device | str = "cpu") -> Draft:
     """A tree with just the root: verifying it samples one next token (prefill, plain decoding)."""
     tree = build_tree([]).to(device)
     return Draft(tree, torch.tensor([token], dtype=torch.long, device=device))
-
-
-def load_tree_paths(path: str | Path) -> list[list[int]]:
-    """Read `paths: [[0], [0, 0], ...]` from a conf/tree/*.yaml file."""
-    import yaml
-
-    doc = yaml.safe_load(Path(path).read_text())
-    if not isinstance(doc, dict) or "paths" not in doc:
-        raise ValueError(f"{path}: expected a mapping with a 'paths' list.")
-    return [list(p) for p in doc["paths"]]
 
 
 def expected_acceptance_paths(accuracy: list[list[float]], num_nodes: int) -> list[list[int]]:

@@ -1,4 +1,9 @@
-"""Draft heads and the frozen target they sit on."""
+"""Draft heads and the frozen target they sit on.
+
+`HEAD_TYPES` is the one list of draft methods: every table elsewhere (the method name in
+config.json, the config type `build_head` dispatches on, export formats, model-card wording, the
+proposer eval drafts with) is read from the head classes' own attributes (heads.base.DraftHead).
+"""
 
 from __future__ import annotations
 
@@ -6,81 +11,118 @@ import os
 from pathlib import Path
 
 from heads.base import (
+    CONFIG_NAME,
     DraftHead,
+    FeatureDrafter,
     HeadMismatchError,
     LossOutput,
-    is_foreign_head,
-    read_head_config,
+    ParallelDrafter,
 )
 from heads.eagle import EagleConfig, EagleHead
 from heads.eagle3 import Eagle3Config, Eagle3Head
+from heads.folder import HeadFolderError, is_foreign_head, read_head_config
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.medusa2 import Medusa2Config, Medusa2Head
 
-# method name recorded in config.json -> class. Medusa-2 first: its config subclasses Medusa's,
-# and build_head picks the first class whose config type matches.
-HEAD_CLASSES: dict[str, type] = {
-    "medusa2": Medusa2Head,
-    "medusa": MedusaHeads,
-    "eagle": EagleHead,
-    "eagle3": Eagle3Head,
-}
+HEAD_TYPES: tuple[type[DraftHead], ...] = (MedusaHeads, Medusa2Head, EagleHead, Eagle3Head)
+HEAD_CLASSES: dict[str, type[DraftHead]] = {cls.method: cls for cls in HEAD_TYPES}
+HUB_PREFIX = "hf://"  # heads.from_pretrained("hf://owner/name") downloads a Hub repo
+
+
+def head_class(method: str, where: str | os.PathLike = "") -> type[DraftHead]:
+    """The head class whose `method` is `method` (`where`: the file that named it)."""
+    if method not in HEAD_CLASSES:
+        where = f"{where}: " if where else ""
+        raise HeadFolderError(
+            f"{where}unknown head method {method!r}; known: {', '.join(sorted(HEAD_CLASSES))}."
+        )
+    return HEAD_CLASSES[method]
 
 
 def build_head(config, target, token_counts=None) -> DraftHead:
-    """A new head for `target` from its config dataclass (the config's type picks the method)."""
-    for cls in HEAD_CLASSES.values():
-        if isinstance(config, cls.config_class):
+    """A new head for `target` from its config dataclass (the config's exact type picks the
+    method: Medusa2Config subclasses MedusaConfig, and each still builds its own head)."""
+    for cls in HEAD_TYPES:
+        if type(config) is cls.config_class:
             return cls.for_target(config, target, token_counts=token_counts)
-    raise TypeError(f"no head class takes a {type(config).__name__}; known: {sorted(HEAD_CLASSES)}")
+    known = ", ".join(cls.config_class.__name__ for cls in HEAD_TYPES)
+    raise TypeError(f"no head class takes a {type(config).__name__}; known configs: {known}.")
 
 
-def from_pretrained(path: str | os.PathLike, target) -> DraftHead:
-    """Load any draftsmith head folder onto `target`, by the method its config.json records.
-    A folder in a serving engine's layout (no "method" key) goes through heads.interop; a Hub
-    repo id ("owner/name", not a local path) is downloaded first."""
-    path = hub_snapshot(path)
-    if is_foreign_head(path):
+def from_pretrained(
+    path: str | os.PathLike, target, *, allow_other_target: bool = False
+) -> DraftHead:
+    """Load a head folder onto `target`, by the method its config.json records.
+
+    path: a local folder, or `hf://owner/name` for a Hub repo (downloaded first). A folder in a
+        serving engine's layout (no draftsmith records) goes through heads.interop.
+    allow_other_target: load a head trained on another model of the same sizes (a deliberate
+        transfer); without it such a head is refused (heads.folder.check_target).
+    """
+    folder = head_folder(path)
+    if is_foreign_head(folder):
         from heads.interop import import_draft  # imported here: interop imports this package
 
-        return import_draft(path, target)
-    doc = read_head_config(path)
-    method = doc["method"]
-    if method not in HEAD_CLASSES:
-        raise ValueError(f"{path}: unknown head method {method!r}; known: {sorted(HEAD_CLASSES)}.")
-    return HEAD_CLASSES[method].from_pretrained(path, target, doc=doc)
+        return import_draft(folder, target, allow_other_target=allow_other_target)
+    doc = read_head_config(folder)
+    cls = head_class(doc["method"], Path(folder) / CONFIG_NAME)
+    return cls.from_pretrained(folder, target, doc=doc, allow_other_target=allow_other_target)
 
 
-def hub_snapshot(path: str | os.PathLike) -> str | os.PathLike:
-    """`path` when it exists locally; for a Hub repo id, the downloaded snapshot's folder."""
-    text = str(path)
-    if Path(path).exists() or text.count("/") != 1 or text.startswith((".", "/", "~")):
-        return path
+def head_folder(path: str | os.PathLike) -> Path:
+    """The local folder `path` names: itself, or for `hf://owner/name` the downloaded snapshot.
+    A path that is not here is never guessed to be a Hub repo (a typo would download one)."""
+    text = os.fspath(path)
+    if text.startswith(HUB_PREFIX):
+        return Path(hub_snapshot(text[len(HUB_PREFIX) :]))
+    folder = Path(text).expanduser()
+    if folder.is_dir():
+        return folder
+    hint = f"; for a Hub repo write {HUB_PREFIX}{text}" if _looks_like_repo_id(text) else ""
+    raise FileNotFoundError(f"no folder {text} here ({Path.cwd()}){hint}.")
+
+
+def _looks_like_repo_id(text: str) -> bool:
+    return text.count("/") == 1 and not text.startswith((".", "/", "~")) and "\\" not in text
+
+
+def hub_snapshot(repo_id: str) -> str:
+    """The local folder of a Hub repo's files (downloaded, or from the Hub cache)."""
     from huggingface_hub import snapshot_download
 
+    if not repo_id or repo_id.count("/") > 1:
+        raise ValueError(f"{HUB_PREFIX}{repo_id}: write a Hub repo as {HUB_PREFIX}owner/name.")
     patterns = ["*.json", "*.safetensors", "*.bin", "*.pt", "*.md"]
     try:
-        return snapshot_download(text, allow_patterns=patterns)
+        return snapshot_download(repo_id, allow_patterns=patterns)
     except Exception as e:  # offline, unknown repo, no access: say which and what to do
         raise FileNotFoundError(
-            f"{text}: not a local folder, and downloading it from the Hub failed "
-            f"({type(e).__name__}: {e}). Check the repo id and network access (HF_HUB_OFFLINE, "
-            "HF_TOKEN for private repos), or download it and pass the folder."
+            f"{HUB_PREFIX}{repo_id}: downloading it from the Hub failed ({type(e).__name__}); "
+            "check the repo id and network access (HF_HUB_OFFLINE=1 allows only repos already "
+            "in the Hub cache; HF_TOKEN for private repos), or download it and pass the folder."
         ) from None
 
 
 __all__ = [
+    "HEAD_CLASSES",
+    "HEAD_TYPES",
+    "HUB_PREFIX",
     "DraftHead",
     "Eagle3Config",
     "Eagle3Head",
     "EagleConfig",
     "EagleHead",
+    "FeatureDrafter",
+    "HeadFolderError",
     "HeadMismatchError",
     "LossOutput",
     "Medusa2Config",
     "Medusa2Head",
     "MedusaConfig",
     "MedusaHeads",
+    "ParallelDrafter",
     "build_head",
     "from_pretrained",
+    "head_class",
+    "head_folder",
 ]

@@ -1,9 +1,12 @@
-"""What every draft head shares: the training protocol, the loss output, and checkpoint I/O.
+"""What every draft head shares: the head Protocols, the loss output, and writing a head folder.
+
+`DraftHead` is the whole contract: what train/, eval/ and the exporters may ask of a head, the
+per-method facts included (as class attributes), so that no module outside heads/ keeps a table
+keyed by method name. `ParallelDrafter` and `FeatureDrafter` are the two ways a head drafts.
 
 A head folder is `config.json` (the head's config dataclass plus the method name and the target
-it was trained on) and `model.safetensors`. Loading refuses a folder whose recorded target does not
-match the target it is loaded onto, because a head silently attached to the wrong model proposes
-garbage and looks like a bad head rather than a bad load.
+it was trained on) and `model.safetensors`; heads/folder.py reads one back and refuses a folder
+that is damaged or that was made for another target.
 """
 
 from __future__ import annotations
@@ -18,10 +21,10 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
 from data.errors import NonFiniteError
@@ -44,9 +47,54 @@ class LossOutput:
 
 @runtime_checkable
 class DraftHead(Protocol):
-    """The seam between the training loop and any method (Medusa, EAGLE, EAGLE-3)."""
+    """Everything the rest of draftsmith may ask of a draft head (Medusa, EAGLE, EAGLE-3, ...).
 
-    method: str
+    Class attributes carry the facts about the method, so that train/, eval/ and the exporters
+    ask the head class instead of keeping tables keyed by method name:
+
+    method:               the name written into config.json ("medusa"); the registry key.
+    config_class:         its config dataclass; `heads.build_head` dispatches on the exact type.
+    title:                one line naming the method, for model cards.
+    hub_tag:              the Hub tag of its family (Medusa-2 is tagged "medusa").
+    export_formats:       heads.interop formats it can be written in ("native" first).
+    export_note:          why other formats are refused, when that needs saying ("" otherwise).
+    drafting:             the drafting Protocol it implements (ParallelDrafter or FeatureDrafter);
+                          eval/ picks the proposer that drafts with that Protocol.
+    uses_target_features: False when the head runs the target itself (the loop then feeds plain
+                          token batches instead of target features).
+    adapts_target:        True when loading the head changes the target (Medusa-2's LoRA), so
+                          every method decoding next to it runs the adapted target.
+    target_dims:          TargetInfo fields the target must share with the one it was trained
+                          on for the head's tensors to fit.
+    """
+
+    method: ClassVar[str]
+    config_class: ClassVar[type]
+    title: ClassVar[str]
+    hub_tag: ClassVar[str]
+    export_formats: ClassVar[tuple[str, ...]]
+    export_note: ClassVar[str]
+    drafting: ClassVar[type]
+    uses_target_features: ClassVar[bool]
+    adapts_target: ClassVar[bool]
+    target_dims: ClassVar[tuple[str, ...]]
+
+    config: Any
+    target_info: TargetInfo
+
+    @classmethod
+    def for_target(cls, config: Any, target: Any, token_counts: Tensor | None = None) -> Any:
+        """A new head for `target` (token_counts: label counts, for a reduced vocabulary)."""
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | os.PathLike, target: Any, doc: dict | None = None,
+        allow_other_target: bool = False,
+    ) -> Any:  # fmt: skip
+        """Load a folder written by `save_pretrained` onto `target` (see `open_head`)."""
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Write config.json and model.safetensors."""
 
     def feature_layers(self) -> list[int] | None:
         """HF `hidden_states` indices the head needs as "aux" features, or None."""
@@ -54,8 +102,49 @@ class DraftHead(Protocol):
     def loss(self, batch: dict[str, Tensor], features: dict[str, Tensor]) -> LossOutput:
         """Loss and statistics for one batch (see data/ for the batch layout)."""
 
-    def save_pretrained(self, path: str | os.PathLike) -> None:
-        """Write config.json and model.safetensors."""
+    def init_from(self, tensors: dict[str, Tensor], source: str) -> list[str]:
+        """Take a saved head's tensors before training (`init_from=`); the names left as built."""
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """How many tokens the draft scores (D <= the target's vocabulary)."""
+
+    @property
+    def max_draft_depth(self) -> int | None:
+        """The deepest token one drafting step can propose (None: no limit)."""
+
+    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
+        """Draft-vocabulary ids -> target-vocabulary ids."""
+
+
+@runtime_checkable
+class ParallelDrafter(DraftHead, Protocol):
+    """Drafts every depth at once from the target's last hidden state (Medusa): calling the
+    head maps h_t (..., H) to logits (K, ..., D), row k scoring the token at depth k + 1."""
+
+    def __call__(self, hidden: Tensor) -> Tensor: ...
+
+
+@runtime_checkable
+class FeatureDrafter(DraftHead, Protocol):
+    """Drafts depth by depth, feeding its own predicted features back (EAGLE, EAGLE-3).
+
+    target_hidden(features) -> (..., H): the feature rows it reads from the target;
+    draft_hidden(tokens, hidden, position_ids, cache, attn_mask) -> (B, q, H): its next features;
+    step(...) -> (next features, logits over the draft vocabulary).
+    """
+
+    def target_hidden(self, features: dict[str, Tensor]) -> Tensor: ...
+
+    def draft_hidden(
+        self, tokens: Tensor, hidden: Tensor, position_ids: Tensor, cache: Any,
+        attn_mask: Tensor | None = None,
+    ) -> Tensor: ...  # fmt: skip
+
+    def step(
+        self, tokens: Tensor, hidden: Tensor, position_ids: Tensor, cache: Any,
+        attn_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]: ...  # fmt: skip
 
 
 @dataclass
@@ -81,20 +170,6 @@ class TargetInfo:
 
 class HeadMismatchError(ValueError):
     """A head checkpoint does not fit the target it is being loaded onto."""
-
-
-def check_target(saved: TargetInfo, target: Any, path: str | os.PathLike) -> None:
-    """Refuse a head trained for a different target, naming what differs and what to do."""
-    current = TargetInfo.of(target)
-    for name in ("hidden_size", "vocab_size"):
-        want, have = getattr(saved, name), getattr(current, name)
-        if want != have:
-            raise HeadMismatchError(
-                f"head at {path} was trained for a target with {name}={want} "
-                f"({saved.name_or_path!r}), but the target given has {name}={have} "
-                f"({current.name_or_path!r}). Load the head onto the model it was trained on "
-                "(model=... in the config), or train a new head for this target."
-            )
 
 
 def atomic_save_dir(path: str | os.PathLike, write: Any) -> Path:
@@ -250,40 +325,6 @@ def save_safetensors(tensors: dict[str, Tensor], path: str | os.PathLike, metada
             raise RuntimeError(f"{path}: safetensors header grew when sorted (a bug)")
         f.seek(8)
         f.write(text.ljust(size, b" "))
-
-
-def is_foreign_head(path: str | os.PathLike) -> bool:
-    """True for a folder whose config.json was not written by draftsmith (no "method" key): a
-    serving engine's layout, for heads.interop to import."""
-    cfg_file = Path(path) / CONFIG_NAME
-    return cfg_file.is_file() and "method" not in json.loads(cfg_file.read_text())
-
-
-def read_head_config(path: str | os.PathLike) -> dict:
-    path = Path(path)
-    cfg_file = path / CONFIG_NAME
-    if not cfg_file.is_file():
-        raise FileNotFoundError(
-            f"{cfg_file} not found: a head folder holds config.json and model.safetensors "
-            "(written by save_pretrained, e.g. <run dir>/head/)."
-        )
-    doc = json.loads(cfg_file.read_text())
-    if "method" not in doc:
-        raise ValueError(f"{cfg_file} has no 'method' key: it was not written by draftsmith.")
-    return doc
-
-
-def open_head(path: str | os.PathLike, target: Any, doc: dict | None = None):
-    """A head folder's config.json (unless already read) and its TargetInfo, after refusing a
-    target the head was not trained for."""
-    doc = doc or read_head_config(path)
-    info = TargetInfo(**doc["target"])
-    check_target(info, target, path)
-    return doc, info
-
-
-def load_head_tensors(path: str | os.PathLike) -> dict[str, Tensor]:
-    return load_file(str(Path(path) / WEIGHTS_NAME))
 
 
 def warm_start(module: torch.nn.Module, tensors: dict[str, Tensor], source: str) -> list[str]:

@@ -31,18 +31,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from heads.base import (
+    FeatureDrafter,
     LossOutput,
     TargetInfo,
-    load_head_tensors,
     masked_shift,
-    open_head,
     stat_pair,
+    warm_start,
 )
 from heads.base import save_head as _save_head
 from heads.draft_layer import DraftCache, DraftDecoderLayer, LayerSpec
+from heads.folder import load_head_tensors, load_weights, open_head
 from heads.vocab import frequent_ids
-
-METHOD = "eagle"
 
 
 @dataclass
@@ -70,8 +69,16 @@ class EagleConfig:
 class EagleHead(nn.Module):
     """EAGLE-1: fc + one decoder layer; step(tokens, hidden, ...) -> (next feature, logits)."""
 
-    method = METHOD
+    method = "eagle"
     config_class = EagleConfig
+    title = "EAGLE-1 draft layer (EAGLE-2 dynamic trees at decode time)"
+    hub_tag = "eagle"
+    export_formats = ("native", "eagle")
+    export_note = ""
+    drafting = FeatureDrafter
+    uses_target_features = True
+    adapts_target = False
+    target_dims = ("hidden_size", "vocab_size")
 
     def __init__(
         self,
@@ -115,6 +122,10 @@ class EagleHead(nn.Module):
     @property
     def draft_vocab_size(self) -> int:
         return self.target_info.vocab_size
+
+    @property
+    def max_draft_depth(self) -> None:
+        return None  # it drafts as deep as the tree asks
 
     def target_hidden(self, features: dict[str, Tensor]) -> Tensor:
         """The feature rows the draft reads from the target: its last hidden state, (..., H)."""
@@ -205,21 +216,27 @@ class EagleHead(nn.Module):
 
     # ---- checkpoints ---------------------------------------------------------------------
 
+    def init_from(self, tensors: dict[str, Tensor], source: str) -> list[str]:
+        return warm_start(self, tensors, source)
+
     def save_pretrained(self, path: str | os.PathLike) -> None:
-        _save_head(path, METHOD, self.config, self.target_info, dict(self.state_dict()))
+        _save_head(path, self.method, self.config, self.target_info, dict(self.state_dict()))
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, target, doc: dict | None = None):
+    def from_pretrained(
+        cls, path: str | os.PathLike, target, doc: dict | None = None,
+        allow_other_target: bool = False,
+    ):  # fmt: skip
         """Load onto `target` (the one it was trained on); the CE then uses the full vocab."""
-        doc, info = open_head(path, target, doc)
+        config, info = open_head(cls, path, target, doc, allow_other_target)
         head = cls(
-            EagleConfig(**doc["config"]),
+            config,
             info,
             LayerSpec.from_hf_config(target.model.config),
             target.embed_tokens.weight,
             target.lm_head.weight,
         )
-        head.load_state_dict(load_head_tensors(path), strict=True)
+        load_weights(head, load_head_tensors(path), path)
         return head
 
 

@@ -36,20 +36,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from heads.base import (
-    HeadMismatchError,
+    FeatureDrafter,
     LossOutput,
     TargetInfo,
-    load_head_tensors,
     masked_shift,
-    open_head,
     stat_pair,
+    warm_start,
 )
 from heads.base import save_head as _save_head
 from heads.draft_layer import DraftCache, DraftDecoderLayer, LayerSpec, RMSNorm
 from heads.eagle import check_shapes, topk_hits
+from heads.folder import load_head_tensors, load_weights, open_head, saved_tensor
 from heads.vocab import d2t_t2d, draft_to_target, frequent_ids, saved_draft_ids, target_to_draft
-
-METHOD = "eagle3"
 
 
 @dataclass
@@ -98,8 +96,17 @@ def ttt_attention_mask(length: int, step: int, device=None) -> Tensor:
 class Eagle3Head(nn.Module):
     """EAGLE-3: fc over aux features, one fused-input decoder layer, norm + reduced lm_head."""
 
-    method = METHOD
+    method = "eagle3"
     config_class = Eagle3Config
+    title = "EAGLE-3 draft layer"
+    hub_tag = "eagle3"
+    export_formats = ("native", "eagle3")
+    export_note = ""
+    drafting = FeatureDrafter
+    uses_target_features = True
+    adapts_target = False
+    # it fuses given layers of the target: the same layer count keeps their meaning
+    target_dims = ("hidden_size", "vocab_size", "num_layers")
 
     def __init__(
         self,
@@ -161,6 +168,10 @@ class Eagle3Head(nn.Module):
     @property
     def draft_vocab_size(self) -> int:
         return int(self.d2t.numel())
+
+    @property
+    def max_draft_depth(self) -> None:
+        return None  # it drafts as deep as the tree asks
 
     def target_hidden(self, features: dict[str, Tensor]) -> Tensor:
         """Fused target features h = fc(aux): (..., kH) -> (..., H)."""
@@ -273,21 +284,20 @@ class Eagle3Head(nn.Module):
 
     # ---- checkpoints ---------------------------------------------------------------------
 
+    def init_from(self, tensors: dict[str, Tensor], source: str) -> list[str]:
+        return warm_start(self, tensors, source)
+
     def save_pretrained(self, path: str | os.PathLike) -> None:
-        _save_head(path, METHOD, self.config, self.target_info, dict(self.state_dict()))
+        _save_head(path, self.method, self.config, self.target_info, dict(self.state_dict()))
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, target, doc: dict | None = None):
-        doc, info = open_head(path, target, doc)
-        config = Eagle3Config(**doc["config"])
-        if info.num_layers != target.num_layers:
-            raise HeadMismatchError(
-                f"head at {path} fuses layers {config.aux_layers} of a {info.num_layers}-layer "
-                f"target ({info.name_or_path!r}), but the target given has {target.num_layers} "
-                "layers. Load the head onto the model it was trained on, or train a new head."
-            )
+    def from_pretrained(
+        cls, path: str | os.PathLike, target, doc: dict | None = None,
+        allow_other_target: bool = False,
+    ):  # fmt: skip
+        config, info = open_head(cls, path, target, doc, allow_other_target)
         tensors = load_head_tensors(path)
-        draft_ids = saved_draft_ids(tensors["d2t"])
+        draft_ids = saved_draft_ids(saved_tensor(tensors, "d2t", path))
         head = cls(
             config,
             info,
@@ -296,7 +306,7 @@ class Eagle3Head(nn.Module):
             target.lm_head.weight,
             draft_ids,
         )
-        head.load_state_dict(tensors, strict=True)
+        load_weights(head, tensors, path)
         return head
 
 

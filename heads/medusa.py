@@ -22,16 +22,15 @@ from torch import Tensor, nn
 
 from heads.base import (
     LossOutput,
+    ParallelDrafter,
     TargetInfo,
-    load_head_tensors,
     masked_shift,
-    open_head,
     stat_pair,
+    warm_start,
 )
 from heads.base import save_head as _save_head
+from heads.folder import load_head_tensors, load_weights, open_head, saved_tensor
 from heads.vocab import d2t_t2d, draft_to_target, frequent_ids, saved_draft_ids, target_to_draft
-
-METHOD = "medusa"
 
 
 @dataclass
@@ -72,8 +71,16 @@ class ResBlock(nn.Module):
 class MedusaHeads(nn.Module):
     """K Medusa heads over one target. forward: (..., H) -> logits (K, ..., D)."""
 
-    method = METHOD
+    method = "medusa"
     config_class = MedusaConfig
+    title = "Medusa-1 heads"
+    hub_tag = "medusa"
+    export_formats = ("native", "medusa", "medusa_fd")
+    export_note = ""
+    drafting = ParallelDrafter
+    uses_target_features = True
+    adapts_target = False
+    target_dims = ("hidden_size", "vocab_size")
 
     def __init__(
         self,
@@ -120,8 +127,15 @@ class MedusaHeads(nn.Module):
     def draft_vocab_size(self) -> int:
         return int(self.d2t.numel())
 
+    @property
+    def max_draft_depth(self) -> int:
+        return self.config.num_heads  # head k drafts depth k + 1
+
     def feature_layers(self) -> list[int] | None:
         return None
+
+    def init_from(self, tensors: dict[str, Tensor], source: str) -> list[str]:
+        return warm_start(self, tensors, source)
 
     def projection(self, k: int) -> Tensor:
         return self.shared_proj if self.proj is None else self.proj[k]
@@ -194,14 +208,16 @@ class MedusaHeads(nn.Module):
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         tensors = {k: v for k, v in self.state_dict().items()}
-        _save_head(path, METHOD, self.config, self.target_info, tensors)
+        _save_head(path, self.method, self.config, self.target_info, tensors)
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, target, doc: dict | None = None):
-        doc, info = open_head(path, target, doc)
-        config = MedusaConfig(**doc["config"])
+    def from_pretrained(
+        cls, path: str | os.PathLike, target, doc: dict | None = None,
+        allow_other_target: bool = False,
+    ):  # fmt: skip
+        config, info = open_head(cls, path, target, doc, allow_other_target)
         tensors = load_head_tensors(path)
-        draft_ids = saved_draft_ids(tensors["d2t"])
+        draft_ids = saved_draft_ids(saved_tensor(tensors, "d2t", path))
         heads = cls(config, info, target.lm_head.weight, draft_ids)
-        heads.load_state_dict(tensors, strict=True)
+        load_weights(heads, tensors, path)
         return heads

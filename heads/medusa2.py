@@ -34,19 +34,19 @@ import torch
 from torch import Tensor, nn
 
 from heads.base import (
+    HeadMismatchError,
     LossOutput,
+    ParallelDrafter,
     TargetInfo,
-    load_head_tensors,
     masked_shift,
-    open_head,
     stat_pair,
     warm_start,
 )
 from heads.base import save_head as _save_head
+from heads.folder import load_head_tensors, load_weights, open_head, saved_tensor
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.vocab import frequent_ids, saved_draft_ids
 
-METHOD = "medusa2"
 ADAPTER_PREFIX = "adapter."
 QUALITY = ("kl", "lm")
 
@@ -85,9 +85,21 @@ class Medusa2Config(MedusaConfig):
 class Medusa2Head(nn.Module):
     """Medusa heads + a LoRA adapter on `target.model` (injected in place; see module doc)."""
 
-    method = METHOD
+    method = "medusa2"
     config_class = Medusa2Config
+    title = "Medusa-2 heads (with a LoRA adapter on the target)"
+    hub_tag = "medusa"
+    export_formats = ("native",)
+    export_note = (
+        "it trained a LoRA adapter into its target, and a serving engine would run the "
+        "un-adapted target under these heads. Merge the adapter (head.merge_into_target()), save "
+        "the merged target model and serve that, exporting head.medusa (plain Medusa heads) for "
+        "it; or use --format native"
+    )
+    drafting = ParallelDrafter
     uses_target_features = False  # it runs the adapted target itself, with gradients
+    adapts_target = True  # loading it injects LoRA into the target's model
+    target_dims = ("hidden_size", "vocab_size")
 
     def __init__(self, config: Medusa2Config, target, draft_ids: Tensor | None = None):
         super().__init__()
@@ -107,6 +119,10 @@ class Medusa2Head(nn.Module):
     @property
     def draft_vocab_size(self) -> int:
         return self.medusa.draft_vocab_size
+
+    @property
+    def max_draft_depth(self) -> int:
+        return self.medusa.max_draft_depth
 
     def feature_layers(self) -> list[int] | None:
         return None
@@ -173,25 +189,27 @@ class Medusa2Head(nn.Module):
     def save_pretrained(self, path: str | os.PathLike) -> None:
         tensors = dict(self.medusa.state_dict())
         tensors |= {ADAPTER_PREFIX + k: v for k, v in self.adapter_state().items()}
-        _save_head(path, METHOD, self.config, self.target_info, tensors)
+        _save_head(path, self.method, self.config, self.target_info, tensors)
         self.adapted.save_pretrained(str(Path(path) / "adapter"))  # PEFT's own layout too
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, target, doc: dict | None = None):
+    def from_pretrained(
+        cls, path: str | os.PathLike, target, doc: dict | None = None,
+        allow_other_target: bool = False,
+    ):  # fmt: skip
         """Load the heads and adapt `target` with the saved adapter (in place)."""
         from peft import set_peft_model_state_dict
 
-        doc, _ = open_head(path, target, doc)
-        config = Medusa2Config(**doc["config"])
+        config, _ = open_head(cls, path, target, doc, allow_other_target)
         tensors = load_head_tensors(path)
-        draft_ids = saved_draft_ids(tensors["d2t"])
+        draft_ids = saved_draft_ids(saved_tensor(tensors, "d2t", path))
         head = cls(config, target, draft_ids)
         adapter = {k[len(ADAPTER_PREFIX) :]: v for k, v in tensors.items() if _is_adapter(k)}
-        head.medusa.load_state_dict({k: v for k, v in tensors.items() if not _is_adapter(k)})
+        load_weights(head.medusa, {k: v for k, v in tensors.items() if not _is_adapter(k)}, path)
         result = set_peft_model_state_dict(head.adapted, adapter)
         missing = [k for k in result.missing_keys if "lora_" in k]
         if missing or result.unexpected_keys:
-            raise ValueError(
+            raise HeadMismatchError(
                 f"{path}: the adapter does not fit this target (missing {missing[:3]}, "
                 f"unexpected {list(result.unexpected_keys)[:3]}); load it onto the model it was "
                 "trained on."

@@ -129,14 +129,32 @@ class Target:
 
 
 def fingerprint(model: nn.Module) -> str:
-    """A short, stable id of a model's architecture and weights (a few rows, rounded)."""
-    cfg = model.config.to_dict()
-    keys = ("model_type", "hidden_size", "vocab_size", "num_hidden_layers", "intermediate_size")
-    h = hashlib.sha256(json.dumps({k: cfg.get(k) for k in keys}, sort_keys=True).encode())
+    """A short, stable id of a model's architecture and weights, the same for its fp32, bf16 and
+    fp16 copies: the config's sizes and the signs of a sample of embedding and lm_head entries
+    (16 rows spread over the vocabulary, 64 columns each). Signs survive any float cast; rounded
+    values do not (a bf16 copy rounds differently), and a head trained in one dtype must load
+    onto the same model in another."""
+    h = hashlib.sha256(_size_record(model))
+    for p in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+        rows = torch.linspace(0, p.shape[0] - 1, 16).long().to(p.device)
+        h.update((p.detach()[rows, :64] > 0).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def legacy_fingerprint(model: nn.Module) -> str:
+    """The id heads recorded before `fingerprint` (first 8 rows, rounded to 1e-3): still
+    accepted when loading them, since it names the same model in the dtype it was trained in."""
+    h = hashlib.sha256(_size_record(model))
     for p in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
         rows = p.detach()[:8, :64].float().cpu()
         h.update(torch.round(rows * 1000).to(torch.int64).numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def _size_record(model: nn.Module) -> bytes:
+    cfg = model.config.to_dict()
+    keys = ("model_type", "hidden_size", "vocab_size", "num_hidden_layers", "intermediate_size")
+    return json.dumps({k: cfg.get(k) for k in keys}, sort_keys=True).encode()
 
 
 def embedded_gguf(name: str) -> Path:

@@ -213,7 +213,7 @@ def test_tau_evaluator(tiny_llama, tmp_path):
     assert head.training  # mode restored
     assert evaluate(head, tiny_llama) == result  # greedy: deterministic
     chain = TauEvaluator(prompts, limit=2, max_new_tokens=8, tree=2)
-    assert chain.tree_paths == [[0], [0, 0]] and chain(head, tiny_llama) == result
+    assert chain.tree.paths == ((0,), (0, 0)) and chain(head, tiny_llama) == result
 
 
 def test_bench_and_verifier_configs_instantiate():
@@ -331,12 +331,13 @@ def test_head_entries_are_checked():
 
 
 def test_resolve_tree_names_and_errors(tmp_path):
-    from eval.dynamic_tree import DynamicTreeConfig, resolve_tree
+    from eval.dynamic_tree import DynamicTreeConfig
+    from eval.tree_spec import resolve_tree
 
-    assert resolve_tree(2) == [[0], [0, 0]]
-    assert isinstance(resolve_tree("dynamic"), DynamicTreeConfig)
-    assert len(resolve_tree("tree16")) == 15
-    assert resolve_tree({"paths": [[0]]}) == [[0]]
+    assert resolve_tree(2).paths == ((0,), (0, 0))
+    assert isinstance(resolve_tree("dynamic").dynamic, DynamicTreeConfig)
+    assert resolve_tree("tree16").num_nodes == 16
+    assert resolve_tree({"paths": [[0]]}).paths == ((0,),)
     with pytest.raises(ValueError, match="known"):
         resolve_tree("tree17")
     with pytest.raises(FileNotFoundError):

@@ -27,15 +27,14 @@ from eval.dynamic_tree import (
     Candidates,
     DynamicTreeConfig,
     grow_dynamic_tree,
-    load_tree_spec,
     select_dynamic_tree,
-    tree_spec,
 )
 from eval.eagle_proposer import EagleProposer, draft_tree_mask
 from eval.generator import SpeculativeGenerator
 from eval.methods import make_proposer
 from eval.proposers import DecodeState
 from eval.tree import build_tree, chain_tree
+from eval.tree_spec import TreeSpec, load_tree_spec, resolve_tree
 from eval.verify import GreedyVerifier, SpeculativeSampler, process_logits
 from heads.draft_layer import DraftCache
 from heads.target import Target
@@ -538,11 +537,12 @@ def test_ttt_mask_equals_the_drafting_mask(length, step):
 
 
 def test_tree_configs_and_make_proposer(target):
-    assert load_tree_spec(CONF / "tree" / "dynamic.yaml") == DynamicTreeConfig(6, 10, 60)
-    assert load_tree_spec(CONF / "tree" / "chain.yaml") == [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
-    assert tree_spec({"depth": 3, "top_k": 2}) == DynamicTreeConfig(3, 2, 60)
+    assert load_tree_spec(CONF / "tree" / "dynamic.yaml").dynamic == DynamicTreeConfig(6, 10, 60)
+    chain = load_tree_spec(CONF / "tree" / "chain.yaml")
+    assert chain == TreeSpec.static([[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]) and chain.depth == 4
+    assert resolve_tree({"depth": 3, "top_k": 2}).dynamic == DynamicTreeConfig(3, 2, 60)
     with pytest.raises(ValueError, match="paths"):
-        tree_spec({"depht": 3})
+        resolve_tree({"depht": 3})
     with pytest.raises(ValueError, match="depth"):
         DynamicTreeConfig(depth=0)
     head = real_head(target, "eagle3")
@@ -565,7 +565,7 @@ def test_evaluate_config_selects_the_dynamic_tree():
 
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("evaluate", overrides=["tree=dynamic", "tree.top_k=8", "tree.depth=5"])
-    assert tree_spec(cfg.tree) == DynamicTreeConfig(depth=5, top_k=8, total_tokens=60)
+    assert resolve_tree(cfg.tree).dynamic == DynamicTreeConfig(depth=5, top_k=8, total_tokens=60)
 
 
 def test_tau_evaluator_with_eagle_heads(tiny_llama, tmp_path):

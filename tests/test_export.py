@@ -168,3 +168,26 @@ def test_the_command_line_reports_failures(tmp_path, capsys):
     spec.loader.exec_module(cli)
     code = cli.main([str(tmp_path), "--format", "eagle3", "--out", str(tmp_path / "o")])
     assert code == 1 and "export failed: " in capsys.readouterr().err
+
+
+def test_the_card_names_data_files_without_local_folders(target, tmp_path):
+    """A model card goes on a public page: no home or temp folders in it."""
+    import hashlib
+
+    from data.paths import REPO_ROOT
+    from eval.model_card import render_model_card
+
+    outside = tmp_path / "private" / "chats.jsonl"
+    outside.parent.mkdir()
+    outside.write_text('{"messages": []}\n')
+    digest = hashlib.sha256(outside.read_bytes()).hexdigest()[:12]
+    inside = REPO_ROOT / "conf" / "config.yaml"
+    sources = [{"path": str(outside)}, {"path": str(inside)}, {"path": "~/me/gone.jsonl"},
+               {"path": "HuggingFaceH4/ultrachat_200k", "max_rows": 5}]  # fmt: skip
+    context = {"config": {"data": {"sources": sources}}}
+    check = {"prompts": 1, "max_new_tokens": 4, "tree": "2", "tau_export": 1.0, "tau_head": 1.0}
+    card = render_model_card(eagle3(target), target, "native", {}, context, check, None)
+    assert f"- `chats.jsonl (sha256 {digest})`" in card
+    assert "- `conf/config.yaml`" in card and "- `gone.jsonl`" in card
+    assert "- `HuggingFaceH4/ultrachat_200k` (first 5 rows)" in card
+    assert str(tmp_path) not in card and str(REPO_ROOT) not in card and "~" not in card

@@ -365,3 +365,71 @@ def test_missing_or_empty_folder(tmp_path, monkeypatch):
     (tmp_path / "empty" / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
     with pytest.raises(HubUploadError, match="no files"):
         push_folder(tmp_path / "empty", REPO, endpoint="http://127.0.0.1:9")
+
+
+# ---- heads.from_pretrained: a local folder, or hf://owner/name -----------------------------------
+
+
+@pytest.fixture
+def downloads(monkeypatch):
+    """Replace huggingface_hub.snapshot_download: record each call, answer with `answer`."""
+    calls: list[str] = []
+    state = {"answer": None}
+
+    def fake(repo_id, **kwargs):
+        calls.append(repo_id)
+        if state["answer"] is None:
+            raise AssertionError(f"downloaded {repo_id}")
+        return str(state["answer"])
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    return calls, state
+
+
+def _medusa_folder(target, folder):
+    from heads.medusa import MedusaConfig, MedusaHeads
+
+    MedusaHeads.for_target(MedusaConfig(num_heads=2), target).save_pretrained(folder)
+    return folder
+
+
+def test_a_mistyped_local_path_is_never_downloaded(tiny_llama, downloads, tmp_path, monkeypatch):
+    import heads
+
+    calls, _ = downloads
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no folder outputs/head here .*hf://outputs/head"):
+        heads.from_pretrained("outputs/head", tiny_llama)
+    with pytest.raises(FileNotFoundError, match=r"no folder \./missing here") as err:
+        heads.from_pretrained("./missing", tiny_llama)
+    assert "hf://" not in str(err.value)  # not a repo id: no Hub hint
+    assert calls == []
+
+
+def test_a_local_two_part_path_loads_without_the_hub(tiny_llama, downloads, tmp_path, monkeypatch):
+    import heads
+
+    calls, _ = downloads
+    monkeypatch.chdir(tmp_path)
+    _medusa_folder(tiny_llama, tmp_path / "runs" / "head")
+    assert heads.from_pretrained("runs/head", tiny_llama).method == "medusa"
+    assert calls == []
+
+
+def test_an_hf_path_downloads_the_repo_then_loads_it(tiny_llama, downloads, tmp_path):
+    import heads
+
+    calls, state = downloads
+    state["answer"] = _medusa_folder(tiny_llama, tmp_path / "snapshot")
+    head = heads.from_pretrained("hf://someone/medusa-draft", tiny_llama)
+    assert head.method == "medusa" and calls == ["someone/medusa-draft"]
+    with pytest.raises(ValueError, match="write a Hub repo as hf://owner/name"):
+        heads.from_pretrained("hf://someone/medusa-draft/extra", tiny_llama)
+
+
+def test_an_hf_path_offline_says_what_to_do(tiny_llama, monkeypatch):
+    import heads
+
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(FileNotFoundError, match="hf://someone/eagle3-draft: downloading it from"):
+        heads.from_pretrained("hf://someone/eagle3-draft", tiny_llama)

@@ -14,8 +14,8 @@ from eval.tree import (
     chain_paths,
     chain_tree,
     expected_acceptance_paths,
-    load_tree_paths,
 )
+from eval.tree_spec import TreeSpec, load_tree_spec
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "tree"
 BRANCHED = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]
@@ -127,7 +127,30 @@ def test_expected_acceptance_paths_closed_and_sized():
     "name, nodes", [("chain", 5), ("tree16", 16), ("tree32", 32), ("tree64", 64)]
 )
 def test_shipped_trees_load(name, nodes):
-    tree = build_tree(load_tree_paths(CONF / f"{name}.yaml"))
-    check_invariants(tree)
-    assert tree.num_nodes == nodes
-    assert chain_paths(4) == load_tree_paths(CONF / "chain.yaml")
+    spec = load_tree_spec(CONF / f"{name}.yaml")
+    check_invariants(spec.buffers)
+    assert spec.buffers.num_nodes == spec.num_nodes == nodes
+    assert load_tree_spec(CONF / "chain.yaml") == TreeSpec.static(chain_paths(4))
+
+
+# ---- tree specs: one front door (eval/tree_spec.py) ----------------------------------------------
+
+
+def test_a_tree_spec_is_checked_once_where_it_enters(tiny_llama):
+    from eval import dynamic_tree, tree
+    from eval.methods import make_proposer
+    from eval.tree_spec import resolve_tree
+    from heads.medusa import MedusaConfig, MedusaHeads
+
+    spec = resolve_tree("chain")
+    assert resolve_tree(spec) is spec and spec.depth == 4 and spec.num_nodes == 5
+    head = MedusaHeads.for_target(MedusaConfig(num_heads=4), tiny_llama)
+    assert make_proposer(head, spec).tree is spec.buffers  # built once, not parsed again
+    with pytest.raises(ValueError, match=r"tree path \[0, 0, 0\] has no parent"):
+        resolve_tree([[0], [0, 0, 0]])  # refused at the edge, not when decoding starts
+    with pytest.raises(ValueError, match="keys \\['depth', 'paths'\\]"):
+        resolve_tree({"paths": [[0]], "depth": 3})  # not silently static
+    with pytest.raises(ValueError, match="no fixed buffers"):
+        _ = resolve_tree("dynamic").buffers
+    leftovers = {"tree_spec", "load_tree_spec", "resolve_tree", "spec_depth", "spec_nodes"}
+    assert not leftovers & set(vars(dynamic_tree)) and not hasattr(tree, "load_tree_paths")

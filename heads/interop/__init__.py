@@ -39,7 +39,12 @@ MEDUSA_FD_WEIGHTS = "medusa_lm_head.safetensors"  # what FasterDecoding's train.
 WEIGHT_FILES = (WEIGHTS_NAME, MEDUSA_FD_WEIGHTS, "pytorch_model.bin", "medusa_lm_head.pt")
 
 # Below the constants: the submodules import them from here.
-from heads.interop.export import engine_default_aux_layers, export_draft, formats_for  # noqa: E402
+from heads.interop.export import (  # noqa: E402
+    engine_default_aux_layers,
+    export_draft,
+    formats_for,
+    serve_commands,
+)
 from heads.interop.load import (  # noqa: E402
     detect_format,
     import_draft,
@@ -61,5 +66,6 @@ __all__ = [
     "import_draft",
     "load_tensors",
     "read_config",
+    "serve_commands",
     "weights_file",
 ]

@@ -11,13 +11,13 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from heads.base import CONFIG_NAME, atomic_save_dir, check_target
+from heads.base import CONFIG_NAME, atomic_save_dir
 from heads.draft_layer import LayerSpec
 from heads.eagle import EagleHead
 from heads.eagle3 import Eagle3Head
+from heads.folder import check_target
 from heads.interop import ENGINE_VERSIONS, FORMATS, MEDUSA_FD_WEIGHTS, WEIGHTS_NAME
 from heads.medusa import MedusaHeads
-from heads.medusa2 import Medusa2Head
 
 log = logging.getLogger(__name__)
 
@@ -25,16 +25,8 @@ log = logging.getLogger(__name__)
 
 
 def formats_for(head) -> tuple[str, ...]:
-    """The formats `head` can be written in."""
-    if isinstance(head, Medusa2Head):  # not a MedusaHeads subclass, but checked first anyway
-        return ("native",)
-    if isinstance(head, Eagle3Head):
-        return ("native", "eagle3")
-    if isinstance(head, EagleHead):
-        return ("native", "eagle")
-    if isinstance(head, MedusaHeads):
-        return ("native", "medusa", "medusa_fd")
-    raise TypeError(f"no export for a {type(head).__name__}; known heads: Eagle, Eagle3, Medusa.")
+    """The formats `head` can be written in (its class's `export_formats`)."""
+    return tuple(type(head).export_formats)
 
 
 def export_draft(head, target, fmt: str, out_dir) -> dict:
@@ -44,19 +36,9 @@ def export_draft(head, target, fmt: str, out_dir) -> dict:
         raise ValueError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}.")
     fits = formats_for(head)
     if fmt not in fits:
-        if isinstance(head, Medusa2Head):
-            raise ValueError(
-                f"a Medusa-2 head cannot be exported as {fmt!r}: it trained a LoRA adapter into "
-                "its target, and a serving engine would run the un-adapted target under these "
-                "heads. Merge the adapter (head.merge_into_target()), save the merged target "
-                "model and serve that, exporting head.medusa (plain Medusa heads) for it; or use "
-                "--format native."
-            )
-        raise ValueError(
-            f"{type(head).__name__} cannot be exported as {fmt!r}; the formats that fit it: "
-            f"{', '.join(fits)}."
-        )
-    check_target(head.target_info, target, "the head being exported")
+        why = type(head).export_note or f"the formats that fit it: {', '.join(fits)}"
+        raise ValueError(f"a {head.method!r} head cannot be exported as {fmt!r}: {why}.")
+    check_target(head.target_info, target, "the head being exported", type(head).target_dims)
     if fmt == "native":
         head.save_pretrained(out_dir)
         return json.loads((Path(out_dir) / CONFIG_NAME).read_text())
@@ -82,6 +64,28 @@ def export_draft(head, target, fmt: str, out_dir) -> dict:
 
     atomic_save_dir(out_dir, write)
     return config
+
+
+def serve_commands(fmt: str, base: str, repo: str, config: dict) -> list[str]:
+    """Shell commands that serve `base` with the draft at `repo` exported as `fmt`."""
+    if fmt in ("eagle3", "eagle"):  # vLLM's method name, SGLang's algorithm name
+        spec = json.dumps({"method": fmt, "model": repo, "num_speculative_tokens": 4})
+        return [
+            f"vllm serve {base} --speculative-config '{spec}'",
+            f"python -m sglang.launch_server --model-path {base} --speculative-algorithm "
+            f"{fmt.upper()} --speculative-draft-model-path {repo} --speculative-num-steps 4 "
+            "--speculative-eagle-topk 4 --speculative-num-draft-tokens 16",
+        ]
+    if fmt == "medusa":
+        k = int(config.get("num_heads", 4))
+        spec = json.dumps({"method": "medusa", "model": repo, "num_speculative_tokens": k})
+        return [f"vllm serve {base} --speculative-config '{spec}'   # vLLM <= 0.32.x"]
+    if fmt == "medusa_fd":
+        return [f"python -m medusa.inference.cli --model {repo}   # FasterDecoding/Medusa"]
+    return [
+        f"python evaluate.py head_path={repo} bench=mt_bench   # draftsmith's harness",
+        f"python train.py +experiment=... init_from={repo}   # continue training",
+    ]
 
 
 def _head_dtype(head) -> torch.dtype:

@@ -4,19 +4,19 @@ heads/interop/__init__.py for the formats)."""
 from __future__ import annotations
 
 import dataclasses
-import json
+import pickle
 import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from heads.base import CONFIG_NAME, HeadMismatchError, TargetInfo
 from heads.draft_layer import LayerSpec
 from heads.eagle import EagleConfig, EagleHead
 from heads.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers
+from heads.folder import OWN_KEYS, HeadFolderError, check_target, read_json, read_safetensors
 from heads.interop import FORMATS, WEIGHT_FILES
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.vocab import d2t_t2d, saved_draft_ids
@@ -28,7 +28,7 @@ def read_config(path) -> dict:
     cfg = Path(path) / CONFIG_NAME
     if not cfg.is_file():
         raise FileNotFoundError(f"{cfg} not found: a draft folder holds config.json and weights.")
-    return json.loads(cfg.read_text())
+    return read_json(cfg)
 
 
 def weights_file(path) -> Path:
@@ -42,11 +42,18 @@ def load_tensors(path) -> dict[str, Tensor]:
     """The folder's tensors under our names: no `model.` / `medusa_heads.` prefix, `midlayer.`
     (SafeAILab / SpecForge EAGLE-3) read as `layers.0.`."""
     file = weights_file(path)
-    if file.suffix == ".safetensors":
-        raw = load_file(str(file))
-    else:
-        raw = torch.load(str(file), map_location="cpu", weights_only=True)
+    raw = read_safetensors(file) if file.suffix == ".safetensors" else _read_pickled(file)
     return {_our_name(k): v for k, v in raw.items()}
+
+
+def _read_pickled(file: Path) -> dict[str, Tensor]:
+    try:
+        return torch.load(str(file), map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        raise HeadFolderError(
+            f"{file}: unreadable torch file ({type(e).__name__}): the file is damaged or was cut "
+            "short while being written; download or export the draft again."
+        ) from None
 
 
 def _our_name(name: str) -> str:
@@ -57,17 +64,20 @@ def _our_name(name: str) -> str:
 
 def _tensor_names(path) -> set[str]:
     file = weights_file(path)
-    if file.suffix == ".safetensors":
+    if file.suffix != ".safetensors":
+        return set(load_tensors(path))
+    try:
         with safe_open(str(file), framework="pt") as f:
             return {_our_name(k) for k in f.keys()}
-    return set(load_tensors(path))
+    except SafetensorError:
+        return set(load_tensors(path))  # which raises the error that names the file
 
 
 def detect_format(path) -> str:
     """Which of FORMATS a folder holds, from its config.json (and tensor names if needed)."""
     doc = read_config(path)
     archs = doc.get("architectures") or []
-    if "method" in doc:
+    if doc.keys() & OWN_KEYS:
         return "native"
     if "medusa_num_heads" in doc:
         return "medusa_fd"
@@ -77,6 +87,12 @@ def detect_format(path) -> str:
         return "eagle3"
     if any(a in ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM") for a in archs):
         return "eagle"
+    if not archs and not doc.get("model_type"):
+        raise HeadFolderError(
+            f"{Path(path) / CONFIG_NAME}: neither draftsmith's records ('method', 'target') nor "
+            "a serving engine's ('architectures', 'model_type'): not a draft folder draftsmith "
+            "can read; give the folder save_pretrained or an export wrote."
+        )
     names = _tensor_names(path)  # checkpoints listed as plain LlamaForCausalLM (SafeAILab)
     if {"d2t", "layers.0.hidden_norm.weight"} & names:
         return "eagle3"
@@ -95,23 +111,43 @@ def detect_format(path) -> str:
 # ---- import ----------------------------------------------------------------------------------
 
 
-def import_draft(path, target):
+def import_draft(path, target, allow_other_target: bool = False):
     """Load a folder in any of FORMATS onto `target` as one of our heads (EagleHead,
     Eagle3Head, MedusaHeads), ready for decoding and for further training; its target_info is
-    `target`'s."""
+    `target`'s. A folder draftsmith exported records its target's fingerprint, which must match
+    unless `allow_other_target`."""
     fmt = detect_format(path)
     if fmt == "native":
         import heads
 
-        return heads.from_pretrained(path, target)
+        return heads.from_pretrained(path, target, allow_other_target=allow_other_target)
     doc, tensors = read_config(path), load_tensors(path)
     _drop_target_copy(tensors, "embed_tokens.weight", target.embed_tokens.weight, path)
-    return _IMPORTERS[fmt](doc, tensors, target, Path(path))
+    head = _IMPORTERS[fmt](doc, tensors, target, Path(path))  # refuses other sizes first
+    _check_recorded_target(doc, target, path, allow_other_target)
+    return head
 
 
 def _source(doc: dict) -> str:
     info = doc.get("draftsmith") or {}
     return str(info.get("base_model") or doc.get("base_model_name_or_path") or "its base model")
+
+
+def _check_recorded_target(doc: dict, target, path, allow_other_target: bool) -> None:
+    """Refuse a draftsmith export whose recorded target is another model (check_target)."""
+    recorded = (doc.get("draftsmith") or {}).get("target_fingerprint")
+    if recorded:
+        saved = TargetInfo(name_or_path=_source(doc), fingerprint=str(recorded))
+        check_target(saved, target, path, dims=(), allow_other_target=allow_other_target)
+
+
+def _doc_int(doc: dict, key: str, path, fmt: str) -> int:
+    if not isinstance(doc.get(key), int):
+        raise HeadFolderError(
+            f"{Path(path) / CONFIG_NAME}: this {fmt} draft's config has no integer {key!r}; "
+            "the file is incomplete: download or export the draft again."
+        )
+    return doc[key]
 
 
 def _check_size(what: str, have: int, target, path, doc) -> None:
@@ -264,7 +300,11 @@ def _import_eagle(doc, tensors, target, path):
 
 
 def _import_medusa(doc, tensors, target, path):
-    V, K, L = target.vocab_size, int(doc["num_heads"]), int(doc["num_hidden_layers"])
+    V = target.vocab_size
+    K, L = (
+        _doc_int(doc, "num_heads", path, "medusa"),
+        _doc_int(doc, "num_hidden_layers", path, "medusa"),
+    )
     _check_size("hidden_size", doc.get("hidden_size") or target.hidden_size, target, path, doc)
     _check_size("vocab_size", doc.get("vocab_size") or V, target, path, doc)
     D = int(doc.get("truncated_vocab_size") or V)
@@ -297,7 +337,8 @@ def _import_medusa(doc, tensors, target, path):
 
 
 def _import_medusa_fd(doc, tensors, target, path):
-    K, L = int(doc["medusa_num_heads"]), int(doc["medusa_num_layers"])
+    K = _doc_int(doc, "medusa_num_heads", path, "medusa_fd")
+    L = _doc_int(doc, "medusa_num_layers", path, "medusa_fd")
     rows = {h: tensors.pop(f"{h}.{L}.weight") for h in range(K) if f"{h}.{L}.weight" in tensors}
     first = next(iter(rows.values()), None)
     if first is not None:
