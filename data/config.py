@@ -17,6 +17,8 @@ from data.errors import ConfigError
 from data.paths import cache_root
 
 FEATURE_MODES = ("memory", "disk", "online")
+# SelfDistillSettings fields that pick the generation engine, not the data asked for
+_ENGINE_FIELDS = ("backend", "gguf", "server_url", "server_model", "parallel", "threads")
 FEATURE_DTYPES = ("float16", "bfloat16", "float32", "int8")
 
 
@@ -41,6 +43,13 @@ class SelfDistillSettings:
     max_prompt_tokens: int = 1536
     seed: int = 0
     out: str | None = None
+    # the generation engine (see DistillConfig): hf | llama_cpp | openai, and its settings
+    backend: str = "hf"
+    gguf: str | None = None
+    server_url: str | None = None
+    server_model: str | None = None
+    parallel: int = 8
+    threads: int = 2
 
     def __post_init__(self) -> None:
         self.prompts = [p if isinstance(p, str) else dict(p) for p in self.prompts or []]
@@ -52,8 +61,10 @@ class SelfDistillSettings:
         settings = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if f.name not in ("enabled", "out")
+            if f.name not in ("enabled", "out", *_ENGINE_FIELDS)
         }
+        if self.backend != "hf":  # files written by HF keep the names they always had
+            settings |= {"backend": self.backend, "engine": self.gguf or self.server_url}
         digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
         return str(cache_root() / "distill" / f"{target_fingerprint[:12]}-{digest}.jsonl")
 

@@ -26,6 +26,7 @@ or another target is refused (mixing them would silently blend two datasets).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -38,6 +39,7 @@ from pathlib import Path
 import torch
 
 from data.chat import ChatEncoder
+from data.engines.server_generation import ServerBackendConfig, ServerGenerator
 from data.formats import DataFormatError, read_prompts
 from data.json_files import iter_jsonl
 from data.paths import atomic_write, resolve_path
@@ -70,8 +72,25 @@ class DistillConfig:
     max_rows: int | None = None
     max_prompt_tokens: int = 1536
     seed: int = 0
+    # Where answers come from (data/engines/server_generation.py): "hf" (generate, batched),
+    # "llama_cpp" (a llama-server on the target GGUF `gguf`, `parallel` slots, `threads`
+    # threads) or "openai" (any OpenAI-compatible server at `server_url`: vLLM, SGLang).
+    backend: str = "hf"
+    gguf: str | None = None
+    server_url: str | None = None
+    server_model: str | None = None
+    parallel: int = 8
+    threads: int = 2
 
     def __post_init__(self) -> None:
+        self.server = ServerBackendConfig(
+            backend=self.backend,
+            gguf=self.gguf,
+            server_url=self.server_url,
+            model=self.server_model,
+            parallel=self.parallel,
+            threads=self.threads,
+        )
         if self.out in ("", "???"):
             raise ValueError("distill.out is required: the conversations JSONL to write.")
         if not self.prompts:
@@ -95,7 +114,11 @@ class DistillConfig:
     def settings(self) -> dict:
         """What decides the output text (recorded in OUT.meta.json and checked on resume)."""
         keep = ("max_new_tokens", "temperature", "top_p", "num_samples", "max_prompt_tokens")
-        return {k: getattr(self, k) for k in keep} | {"seed": self.seed}
+        settings = {k: getattr(self, k) for k in keep} | {"seed": self.seed}
+        if self.backend != "hf":  # another engine's kernels write other text: never mix them
+            engine = Path(self.gguf).name if self.gguf else self.server_url
+            settings |= {"backend": self.backend, "engine": engine}
+        return settings
 
 
 def _prompt_spec(entry) -> dict:
@@ -354,22 +377,12 @@ def distill(
     eos = eos_token_ids(target)
     if not eos:
         raise ValueError("the target has no EOS token id: answers would never end.")
-    gen = _Generator(target, cfg, encoder, eos)
+    gen = _make_generator(target, cfg, encoder, eos)
     stats = {"rows": 0, "skipped": 0, "new_tokens": 0, "seconds": 0.0}
     bar = _progress(len(todo), progress and rank == 0)
     t0 = time.perf_counter()
-    for start in range(0, len(todo), cfg.batch_size):
-        batch = todo[start : start + cfg.batch_size]
-        rows, skipped, tokens = _run_batch(gen, batch, cfg, meta)
-        _append(mine_path, rows)
-        _append(skipped_path(out), skipped)
-        stats["rows"] += len(rows)
-        stats["skipped"] += len(skipped)
-        stats["new_tokens"] += tokens
-        stats["seconds"] = time.perf_counter() - t0
-        if bar is not None:
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{stats['new_tokens'] / stats['seconds']:.0f}")
+    with gen.engine if todo else contextlib.nullcontext():
+        _generate_all(gen, todo, cfg, meta, (mine_path, skipped_path(out)), stats, bar, t0)
     if bar is not None:
         bar.close()
     stats["tokens_per_s"] = stats["new_tokens"] / stats["seconds"] if stats["seconds"] else 0.0
@@ -380,6 +393,36 @@ def distill(
         if moved:
             log.info("merged %d rows from part files into %s", moved, out)
     return stats
+
+
+def _generate_all(gen, todo, cfg: DistillConfig, meta: dict, paths, stats: dict, bar, t0) -> None:
+    mine_path, skipped_file = paths
+    for start in range(0, len(todo), cfg.batch_size):
+        batch = todo[start : start + cfg.batch_size]
+        rows, skipped, tokens = _run_batch(gen, batch, cfg, meta)
+        _append(mine_path, rows)
+        _append(skipped_file, skipped)
+        stats["rows"] += len(rows)
+        stats["skipped"] += len(skipped)
+        stats["new_tokens"] += tokens
+        stats["seconds"] = time.perf_counter() - t0
+        if bar is not None:
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{stats['new_tokens'] / stats['seconds']:.0f}")
+
+
+def _make_generator(target, cfg: DistillConfig, encoder: ChatEncoder, eos: list[int]):
+    """The HF generator, or a server's behind the same `generate` (its `engine` is the context
+    that starts and stops the server; a no-op for HF)."""
+    if cfg.backend == "hf":
+        gen = _Generator(target, cfg, encoder, eos)
+        gen.engine = contextlib.nullcontext()
+        return gen
+    server = ServerGenerator(
+        cfg.server, cfg.max_new_tokens, cfg.temperature, cfg.top_p, eos, target.tokenizer
+    )
+    server.encoder, server.tok, server.engine = encoder, target.tokenizer, server
+    return server
 
 
 def _run_batch(gen: _Generator, batch: list[WorkItem], cfg: DistillConfig, meta: dict):

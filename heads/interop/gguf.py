@@ -1,0 +1,90 @@
+"""GGUF files for llama.cpp: a draft head (EAGLE-3 now) and, where needed, its target.
+
+A draft becomes GGUF in two steps: the serving layout Hugging Face engines read (`export_draft`,
+e.g. `LlamaForCausalLMEagle3`), then llama.cpp's own converter from the pinned build
+(`data.engines.llama_cpp.convert_to_gguf`) with `--target-model-dir` the target's folder (the
+converter takes the tokenizer, vocabulary size and hidden size from there). The target needs a
+GGUF of its own only when it is not one already: the embedded SmolLM2 is shipped as Q4_1, and
+`target_gguf(..., outtype="f32")` converts its de-quantized folder for numerically faithful runs.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from data.engines.llama_cpp import convert_to_gguf
+from heads.interop.export import export_draft, formats_for
+
+# head format written before conversion -> llama.cpp's --spec-type for the resulting GGUF
+GGUF_SPEC_TYPES = {"eagle3": "draft-eagle3"}
+DRAFT_GGUF = "draft.gguf"
+
+
+def gguf_source_format(head) -> str:
+    """The serving layout a head is converted from, or a clear refusal."""
+    for fmt in formats_for(head):
+        if fmt in GGUF_SPEC_TYPES:
+            return fmt
+    raise ValueError(
+        f"llama.cpp serves no {type(head).__name__} drafts: GGUF export takes EAGLE-3 heads "
+        "(DFlash/DSpark when they land). Export this head as one of "
+        f"{', '.join(formats_for(head))} for vLLM/SGLang instead."
+    )
+
+
+def spec_type_for(head) -> str:
+    """The llama-server `--spec-type` that serves this head's GGUF."""
+    return GGUF_SPEC_TYPES[gguf_source_format(head)]
+
+
+def export_gguf(
+    head,
+    target,
+    target_dir: str | os.PathLike,
+    out_file: str | os.PathLike,
+    outtype: str = "f32",
+) -> Path:
+    """Write `head` as a llama.cpp draft GGUF at `out_file`. `target_dir` is the target's Hugging
+    Face folder (config.json + tokenizer), which the converter reads."""
+    fmt = gguf_source_format(head)
+    if not (Path(target_dir) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{target_dir}: no config.json; the GGUF converter needs the target's Hugging Face "
+            "folder (config.json and tokenizer files) as --target-model-dir."
+        )
+    with tempfile.TemporaryDirectory(prefix="draftsmith-gguf-") as tmp:
+        layout = Path(tmp) / fmt
+        export_draft(head, target, fmt, layout)
+        return convert_to_gguf(layout, out_file, outtype, target_model_dir=target_dir)
+
+
+def target_gguf(
+    target_dir: str | os.PathLike, out_file: str | os.PathLike, outtype: str = "f32"
+) -> Path:
+    """Convert a target's Hugging Face folder to GGUF (f32/f16/bf16/q8_0)."""
+    return convert_to_gguf(target_dir, out_file, outtype)
+
+
+def gguf_for_target(cfg, outtype: str = "f16") -> Path:
+    """A GGUF of the target a TargetConfig names: the embedded file as shipped (SmolLM2's
+    Q4_1), the folder's own `gguf_file`, or else its Hugging Face folder converted once into
+    `<cache_dir>/gguf/` (`outtype`)."""
+    from heads.target import EMBEDDED, embedded_gguf, resolve_source
+
+    if cfg.name_or_path in EMBEDDED:
+        return embedded_gguf(cfg.name_or_path)
+    if cfg.gguf_file:
+        return Path(cfg.name_or_path) / cfg.gguf_file
+    source, _ = resolve_source(cfg)
+    if not (Path(source) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.name_or_path={cfg.name_or_path}: llama.cpp needs the target as GGUF; give a "
+            "local folder (converted once) or set data.self_distill.gguf to a .gguf file."
+        )
+    name = Path(source).resolve().name
+    out = Path(cfg.cache_dir).expanduser() / "gguf" / f"{name}-{outtype}.gguf"
+    if not out.is_file():
+        target_gguf(source, out, outtype)
+    return out

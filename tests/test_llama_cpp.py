@@ -1,0 +1,297 @@
+"""llama.cpp as an engine, with the real `llama-server` built by scripts/setup_llama_cpp.sh.
+
+- the engine module's failure paths: no binary, a model file it cannot load (the error quotes
+  the server's log), a server that stops on exit and on an exception;
+- a tiny random Llama (SmolLM2's tokenizer, so llama.cpp's converter knows its pre-tokenizer)
+  and a tiny EAGLE-3 draft trained on it for a few steps, both converted to GGUF with the pinned
+  converter: llama.cpp's speculative output equals its plain output, plain output equals HF
+  greedy on the same weights, and the draft's acceptance in llama.cpp equals our harness's for
+  the same chain (the parity that catches a wrong aux-layer convention, feature norm, fc order,
+  rope or d2t direction in training or export).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from data.engines import llama_cpp
+from data.engines.llama_cpp import EngineError, LlamaServer, ServerConfig
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+PROMPTS = [
+    "Tell me about the moon.",
+    "How do I bake bread?",
+    "Write a haiku about rain.",
+    "What is a prime number?",
+    "Name three rivers in Europe.",
+    "Why is the sky blue?",
+]
+NEW_TOKENS = 48
+CHAIN = 3
+AUX = [1, 3, 6]  # not the engines' default [2, N//2, N-3]: the export must carry them
+
+
+def _need_server() -> None:
+    if not llama_cpp.available():  # a failure, not a skip: set-up builds it
+        pytest.fail("llama.cpp is not built here: run bash scripts/setup_llama_cpp.sh")
+
+
+def test_missing_binary_names_the_fix(monkeypatch, tmp_path):
+    monkeypatch.setenv("DRAFTSMITH_LLAMA_SERVER", str(tmp_path / "nope" / "llama-server"))
+    with pytest.raises(EngineError, match="setup_llama_cpp.sh"):
+        llama_cpp.server_binary()
+
+
+def test_config_refuses_bad_settings(tmp_path):
+    model = tmp_path / "m.gguf"
+    with pytest.raises(EngineError, match="does not exist"):
+        ServerConfig(model=str(model))
+    model.write_bytes(b"x")
+    with pytest.raises(EngineError, match="spec_type"):
+        ServerConfig(model=str(model), spec_type="medusa")
+    with pytest.raises(EngineError, match="needs a draft GGUF"):
+        ServerConfig(model=str(model), spec_type="draft-eagle3")
+
+
+def test_unloadable_model_quotes_the_server_log(tmp_path):
+    _need_server()
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    server = LlamaServer(ServerConfig(model=str(bad), startup_timeout_s=60))
+    with pytest.raises(EngineError) as err:
+        server.start()
+    text = str(err.value)
+    assert "exited with code" in text and "broken.gguf" in text
+    assert len(text.splitlines()) > 2  # the log's last lines are quoted
+    assert server.proc is not None and server.proc.poll() is not None
+
+
+# ---- a tiny target and draft, converted once per module --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    """(target, head, target_dir, target.gguf, draft.gguf): a random 8-layer Llama with
+    SmolLM2's tokenizer, and an EAGLE-3 draft trained 60 steps on its own greedy answers."""
+    _need_server()
+    from heads.interop.gguf import export_gguf, target_gguf
+    from train.run import run
+
+    root = tmp_path_factory.mktemp("llama_cpp")
+    overrides = [
+        "+experiment=eagle3_tiny",
+        "model.random_init.num_hidden_layers=8",
+        f"head.aux_layers={AUX}",
+        "head.draft_vocab_size=null",
+        "head.ttt_steps=2",
+        "data.sources=[]",
+        "+data.self_distill={enabled: true, prompts: [{path: data/corpora/oa_prompts_en/"
+        "prompts.jsonl, skip: 16, max_rows: 24}], max_new_tokens: 48, batch_size: 8, "
+        f"out: {root}/sd.jsonl}}",
+        "data.features=memory",
+        "trainer.max_steps=60",
+        "trainer.lr=3e-3",
+        "trainer.eval_every=0",
+        "trainer.save_every=0",
+        "evaluators=[]",
+        "trainer.best_metric=null",
+        "logger.mode=disabled",
+    ]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    torch.manual_seed(0)
+    result = run(cfg, run_dir=root / "run")
+    from hydra.utils import instantiate
+
+    import heads
+    from heads.target import load_target
+
+    target = load_target(instantiate(cfg.model))
+    head = heads.from_pretrained(result.head_dir, target)
+    target_dir = root / "target"
+    target.model.save_pretrained(target_dir)
+    target.tokenizer.save_pretrained(target_dir)
+    target_file = target_gguf(target_dir, root / "target-f32.gguf", "f32")
+    draft_file = export_gguf(head, target, target_dir, root / "draft-f32.gguf", "f32")
+    return target, head, target_dir, target_file, draft_file
+
+
+def _prompt_ids(target) -> list[list[int]]:
+    from data.chat import resolve_chat_template
+
+    template = resolve_chat_template(target.tokenizer)
+    out = []
+    for text in PROMPTS:
+        ids = target.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}],
+            chat_template=template,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        out.append(list(ids))
+    return out
+
+
+def _hf_greedy(target, ids: list[int]) -> list[int]:
+    from eval.generator import plain_greedy
+
+    result = plain_greedy(target.model, torch.tensor([ids]), NEW_TOKENS)
+    return result.new_tokens.tolist()
+
+
+def _harness_chain(target, head, ids: list[int]):
+    from eval.methods import head_method
+    from eval.tree import chain_paths
+
+    method = head_method(target, "head", head, chain_paths(CHAIN))
+    return method.generator.generate(torch.tensor([ids]), NEW_TOKENS)
+
+
+def _engine_runs(cfg: ServerConfig, prompts: list[list[int]]):
+    with LlamaServer(cfg) as server:
+        return [server.complete(ids, NEW_TOKENS) for ids in prompts]
+
+
+def test_llama_cpp_speculative_equals_plain_and_acceptance_matches(tiny_setup):
+    target, head, _, target_file, draft_file = tiny_setup
+    prompts = _prompt_ids(target)
+    plain = _engine_runs(ServerConfig(model=str(target_file)), prompts)
+    spec = _engine_runs(
+        ServerConfig(
+            model=str(target_file),
+            draft=str(draft_file),
+            spec_type="draft-eagle3",
+            draft_n_max=CHAIN,
+        ),
+        prompts,
+    )
+    # llama.cpp is lossless with our draft: the same tokens as its own plain decoding
+    for a, b in zip(plain, spec):
+        assert a.tokens == b.tokens
+    # its f32 plain decoding is HF greedy on the same weights
+    hf = [_hf_greedy(target, ids) for ids in prompts]
+    same = sum(a.tokens == h[: len(a.tokens)] for a, h in zip(plain, hf))
+    assert same >= len(prompts) - 1, f"llama.cpp f32 differs from HF greedy on {6 - same} prompts"
+    # the draft is accepted in llama.cpp as in our harness (same chain, same prompts)
+    harness = [_harness_chain(target, head, ids) for ids in prompts]
+    h_acc = sum(sum(r.accept_lengths) - len(r.accept_lengths) for r in harness)
+    e_acc = sum(c.draft_accepted for c in spec)
+    h_steps = sum(len(r.accept_lengths) for r in harness)
+    assert h_acc > 0.2 * h_steps, f"the tiny draft barely learned ({h_acc} in {h_steps} steps)"
+    assert abs(e_acc - h_acc) <= max(3, 0.1 * h_acc), (
+        f"accepted draft tokens: llama.cpp {e_acc}, harness {h_acc}"
+    )
+    (Path(target_file).parent / "parity.json").write_text(
+        json.dumps({"harness_accepted": h_acc, "llama_cpp_accepted": e_acc})
+    )
+
+
+def test_server_stops_on_exception(tiny_setup):
+    _, _, _, target_file, _ = tiny_setup
+    server = LlamaServer(ServerConfig(model=str(target_file)))
+    with pytest.raises(RuntimeError, match="boom"), server:
+        assert server.complete([1, 2, 3], 2).tokens
+        raise RuntimeError("boom")
+    assert server.proc.poll() is not None
+    with pytest.raises(EngineError):
+        server.post("/health", {}, timeout_s=2)
+
+
+# ---- self-distillation through a server ------------------------------------------------------
+
+
+def _distill_cfg(out, rows: int, **engine):
+    from data.distill import DistillConfig
+
+    prompts = [{"path": "data/corpora/oa_prompts_en/prompts.jsonl", "skip": 16, "max_rows": rows}]
+    return DistillConfig(prompts=prompts, out=str(out), max_new_tokens=16, batch_size=3, **engine)
+
+
+def test_llama_cpp_distillation_resumes_without_duplicates(tiny_setup, tmp_path, monkeypatch):
+    import data.distill as distill_mod
+    from data.distill import distill, read_rows
+
+    target, _, _, target_file, _ = tiny_setup
+    out = tmp_path / "sd.jsonl"
+    engine = {"backend": "llama_cpp", "gguf": str(target_file), "parallel": 2}
+    real_append, calls = distill_mod._append, []
+
+    def crash_after_first_batch(path, rows):
+        calls.append(path)
+        if len(calls) > 2:  # rows and skipped of the first batch were written
+            raise KeyboardInterrupt
+        real_append(path, rows)
+
+    monkeypatch.setattr(distill_mod, "_append", crash_after_first_batch)
+    with pytest.raises(KeyboardInterrupt):
+        distill(target, _distill_cfg(out, 6, **engine), progress=False)
+    monkeypatch.setattr(distill_mod, "_append", real_append)
+    first = [row["id"] for row in read_rows(out)]
+    assert 0 < len(first) < 6
+    stats = distill(target, _distill_cfg(out, 6, **engine), progress=False)
+    keys = [row["id"] for row in read_rows(out)]
+    assert len(keys) == len(set(keys)) == 6 and keys[: len(first)] == first
+    assert stats["rows"] == 6 - len(first)
+    # the same prompts through HF generate: f32 llama.cpp writes the same answers
+    hf_out = tmp_path / "hf.jsonl"
+    distill(target, _distill_cfg(hf_out, 6), progress=False)
+    by_key = {r["id"]: r["messages"] for r in read_rows(hf_out)}
+    same = sum(by_key[r["id"]] == r["messages"] for r in read_rows(out))
+    assert same >= 5, f"only {same} of 6 llama.cpp answers equal HF's"
+
+
+def test_distillation_refuses_mixing_backends(tiny_setup, tmp_path):
+    from data.distill import distill
+
+    target, _, _, target_file, _ = tiny_setup
+    out = tmp_path / "sd.jsonl"
+    distill(target, _distill_cfg(out, 2), progress=False)
+    engine = {"backend": "llama_cpp", "gguf": str(target_file)}
+    with pytest.raises(ValueError, match="settings"):
+        distill(target, _distill_cfg(out, 2, **engine), progress=False)
+
+
+def test_openai_backend_against_a_stand_in_server(tiny_llama, tmp_path):
+    """Any OpenAI-compatible server (vLLM, SGLang): the rendered prompt goes out as text, the
+    answer's text comes back and is tokenized; finish_reason "stop" means EOS."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from data.distill import distill, read_rows
+
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body)
+            answer = {"choices": [{"text": "Hello there", "finish_reason": "stop"}]}
+            data = json.dumps(answer).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        engine = {"backend": "openai", "server_url": url, "server_model": "m", "parallel": 2}
+        stats = distill(tiny_llama, _distill_cfg(tmp_path / "o.jsonl", 3, **engine), progress=False)
+    finally:
+        server.shutdown()
+    rows = list(read_rows(tmp_path / "o.jsonl"))
+    assert stats["rows"] == 3 and len(seen) == 3
+    assert all(r["messages"][-1] == {"role": "assistant", "content": "Hello there"} for r in rows)
+    assert all(r["finish"] == ["eos"] for r in rows)
+    assert all(b["model"] == "m" and "<|im_start|>user" in b["prompt"] for b in seen)
