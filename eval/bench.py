@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from data.paths import resolve_path
+from eval.llama_cpp_bench import LLAMA_CPP_METHODS, LlamaCppSettings, build_llama_cpp_methods
 from eval.methods import (
     BASELINES,
     HFGenerateMethod,
@@ -113,8 +116,9 @@ def encode_chat(tokenizer, messages: list[dict], chat_template: str | None = Non
 
 
 @torch.inference_mode()
-def top2_gaps(model, input_ids: Tensor, new_tokens: list[int]) -> list[float]:
-    """Target top-1 minus top-2 logit at every new-token position of prompt + new_tokens."""
+def top2_gaps(model, input_ids: Tensor, new_tokens: list[int]) -> list[tuple[float, float]]:
+    """(top-1 minus top-2 logit, top-1 logit) of the target at every new-token position of
+    prompt + new_tokens, computed in the target's own dtype."""
     if not new_tokens:
         return []
     device = next(model.parameters()).device
@@ -122,7 +126,28 @@ def top2_gaps(model, input_ids: Tensor, new_tokens: list[int]) -> list[float]:
     logits = model(input_ids=seq.to(device), use_cache=False).logits[0].float()
     start = input_ids.shape[1] - 1  # logits at t predict token t + 1
     top2 = logits[start : start + len(new_tokens)].topk(2, dim=-1).values
-    return (top2[:, 0] - top2[:, 1]).tolist()
+    return list(zip((top2[:, 0] - top2[:, 1]).tolist(), top2[:, 0].tolist()))
+
+
+# Mantissa bits of the dtypes a target may run in: a logit x is stored to a step of
+# 2**(floor(log2 |x|) - bits).
+_MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
+FP32_TIE_FLOOR = 1e-4  # fp32: batched and one-token kernels differ by more than one ulp
+
+
+def rounding_step(value: float, dtype: torch.dtype) -> float:
+    """The spacing of representable numbers of `dtype` around `value`."""
+    bits = _MANTISSA_BITS.get(dtype, 23)
+    return 2.0 ** (math.floor(math.log2(max(abs(value), 1e-30))) - bits)
+
+
+def near_tie_threshold(top1: float, dtype: torch.dtype, fixed: float | None = None) -> float:
+    """A greedy mismatch is a rounding divergence, not an error, when the target's top-2 gap at
+    the first differing token is at most this: `fixed` when given, else one rounding step of the
+    target's dtype at the top-1 logit (bf16 at a logit of 12: 0.0625), never below 1e-4."""
+    if fixed is not None:
+        return fixed
+    return max(FP32_TIE_FLOOR, rounding_step(top1, dtype))
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -139,23 +164,35 @@ class BenchRun:
 
     chat_template: a template for tokenizers without one (see data.resolve_chat_template).
     near_tie_gap: a greedy mismatch whose first differing token has a target top-1/top-2 logit
-    gap below this is reported as a near tie. meta: extra facts recorded in summary.json.
+    gap at or below this is reported as a near tie (a rounding divergence); None: one rounding
+    step of the target's dtype at that logit (see near_tie_threshold). meta: extra facts
+    recorded in summary.json.
     """
 
     bench: BenchConfig
     chat_template: str | None = None
-    near_tie_gap: float = 1e-4
+    near_tie_gap: float | None = None
     meta: dict = field(default_factory=dict)
 
 
-def _match_info(rec: Record, ref: Record, gaps: Callable[[], list[float]], tie: float) -> dict:
+def _match_info(rec: Record, ref: Record, gaps: Callable[[], list], tie) -> dict:
+    """How `rec` compares with the greedy reference: equal, or where it first differs, the
+    target's top-2 gap there and whether that is a near tie (`tie(top1) -> threshold`)."""
     index = first_difference(rec.tokens, ref.tokens)
     if index is None:
         return {"greedy_match": True, "first_mismatch": None, "top2_gap": None, "near_tie": False}
     all_gaps = gaps()
-    gap = all_gaps[index] if index < len(all_gaps) else None
-    near = gap is not None and gap < tie
+    gap, top1 = all_gaps[index] if index < len(all_gaps) else (None, None)
+    near = gap is not None and gap <= tie(top1)
     return {"greedy_match": False, "first_mismatch": index, "top2_gap": gap, "near_tie": near}
+
+
+def _baseline_info(rec: Record, records: dict, baseline: str | None) -> dict:
+    """Engine methods (llama.cpp) also compare with their engine's own plain decoding: a draft
+    must not change that engine's output, whatever its kernels do against HF's."""
+    if baseline is None or baseline not in records:
+        return {}
+    return {"baseline": baseline, "baseline_match": rec.tokens == records[baseline].tokens}
 
 
 def _warmup(methods: Sequence[Method], prompts: list[dict], setup: BenchRun, tokenizer) -> None:
@@ -177,19 +214,22 @@ def _question_rows(target, methods, reference, question: dict, setup: BenchRun, 
         k = (start + turn - 1) % len(methods)  # rotate who goes first
         records = {m.name: m.run(ids, max_new) for m in [*methods[k:], *methods[:k]]}
         ref = records[REFERENCE] if REFERENCE in records else reference.run(ids, max_new)
-        memo: list[list[float]] = []
+        memo: list[list] = []
 
-        def gaps(ids=ids, ref=ref, memo=memo) -> list[float]:
+        def gaps(ids=ids, ref=ref, memo=memo) -> list:
             if not memo:  # one extra target forward, only when some method mismatched
                 memo.append(top2_gaps(target.model, ids, ref.tokens))
             return memo[0]
 
+        dtype = next(target.model.parameters()).dtype
+        tie = partial(near_tie_threshold, dtype=dtype, fixed=setup.near_tie_gap)
         for method in methods:
             rec = records[method.name]
             row = {"question_id": question["id"], "category": question["category"], "turn": turn}
             row |= {"method": method.name, "prompt_tokens": ids.shape[1]}
             row |= {"new_tokens": len(rec.tokens), **asdict(rec)}
-            rows.append(row | _match_info(rec, ref, gaps, setup.near_tie_gap))
+            row |= _baseline_info(rec, records, getattr(method, "baseline", None))
+            rows.append(row | _match_info(rec, ref, gaps, tie))
         answer = tok.decode(ref.tokens, skip_special_tokens=True)
         history.append({"role": "assistant", "content": answer})
     return rows
@@ -228,13 +268,16 @@ def run_benchmark(
         "num_questions": len(prompts),
         "num_requests": len(rows) // len(methods),
         "threads": torch.get_num_threads(),
-        "near_tie_gap": setup.near_tie_gap,
+        "near_tie_gap": setup.near_tie_gap if setup.near_tie_gap is not None else "auto",
+        "target_dtype": str(next(target.model.parameters()).dtype).replace("torch.", ""),
         "target": target.name_or_path,
         "device": str(target.model.device),
         "versions": _versions(),
         **setup.meta,
     }
-    summary = report.summarize(rows, {m.name: m.max_draft_depth for m in methods}, meta)
+    baselines = {m.name: getattr(m, "baseline", None) or "plain" for m in methods}
+    depths = {m.name: m.max_draft_depth for m in methods}
+    summary = report.summarize(rows, depths, meta, baselines)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     report.write_report(summary, out)
     return summary
@@ -285,9 +328,16 @@ def run(cfg) -> dict:
     tree = resolve_tree(OmegaConf.to_container(cfg.tree, resolve=True))  # paths, or dynamic
     meta |= {"tree_nodes": tree.num_nodes, "tree_depth": tree.depth}
     max_context = cfg.get("max_context")
+    engine_names = [n for n in names if n in LLAMA_CPP_METHODS]
+    names = [n for n in names if n not in LLAMA_CPP_METHODS]
     methods = build_methods(
         target, names, head, tree, verifier, cfg.prompt_lookup_num_tokens, max_context
     )
+    if engine_names:
+        out_dir = Path(cfg.get("out_dir") or _hydra_output_dir())
+        settings = llama_cpp_settings(cfg, head, target, out_dir)
+        methods += build_llama_cpp_methods(engine_names, settings)
+        meta["llama_cpp"] = asdict(settings)
     extra = cfg.get("heads")
     extra = OmegaConf.to_container(extra, resolve=True) if extra else {}
     if extra:
@@ -307,13 +357,49 @@ def run(cfg) -> dict:
     _check_adapted(target, loaded, meta)
     setup = BenchRun(bench, cfg.model.get("chat_template"), cfg.near_tie_gap, meta)
     out_dir = cfg.get("out_dir") or _hydra_output_dir()
-    summary = run_benchmark(target, methods, setup, out_dir)
+    try:
+        summary = run_benchmark(target, methods, setup, out_dir)
+    finally:
+        for method in methods:
+            if hasattr(method, "close"):
+                method.close()
     log.info("wrote %s/report.md", out_dir)
     if cfg.get("logger"):
         log_to_tracker(
             summary, out_dir, instantiate(cfg.logger), OmegaConf.to_container(cfg, resolve=True)
         )
     return summary
+
+
+def llama_cpp_settings(cfg, head, target, out_dir: Path) -> LlamaCppSettings:
+    """bench.llama_cpp resolved: the target GGUF ("auto": the target's own file; an outtype:
+    converted once) and the draft GGUF (exported from `head` when not given)."""
+    from omegaconf import OmegaConf
+
+    from heads.interop.gguf import export_gguf, gguf_for_target
+    from heads.target import resolve_source
+
+    doc = OmegaConf.to_container(cfg.llama_cpp, resolve=True)
+    settings = LlamaCppSettings(**doc)
+    model_cfg = instantiate_model(cfg)
+    given = settings.target_gguf or "auto"
+    if given == "auto":
+        settings.target_gguf = str(gguf_for_target(model_cfg))
+    elif not given.endswith(".gguf"):
+        settings.target_gguf = str(gguf_for_target(model_cfg, outtype=given, own=False))
+    if settings.draft_gguf is None and "llama_cpp_draft" in cfg.methods:
+        if head is None:
+            raise ValueError("llama_cpp_draft needs head_path (or llama_cpp.draft_gguf).")
+        source, _ = resolve_source(model_cfg)
+        draft = out_dir / "draft-f32.gguf"
+        settings.draft_gguf = str(export_gguf(head, target, source, draft, "f32"))
+    return settings
+
+
+def instantiate_model(cfg):
+    from hydra.utils import instantiate
+
+    return instantiate(cfg.model, _convert_="all")
 
 
 def log_to_tracker(summary: dict, out_dir, logger_cfg, config: dict) -> None:

@@ -21,7 +21,11 @@ DEFINITIONS = {
     "tokens_per_s": "new tokens (prefill token included) divided by wall-clock seconds of "
     "generation (prefill included), pooled over requests.",
     "speedup_vs_plain": "tokens_per_s of the method / tokens_per_s of `plain` (one token per "
-    "forward, same cache code) over the same requests in the same run.",
+    "forward, same cache code) over the same requests in the same run; for llama.cpp methods, "
+    "of `llama_cpp_plain` (the same server without a draft).",
+    "baseline_mismatches": "llama.cpp methods: requests whose tokens differ from the same "
+    "engine's plain decoding (`llama_cpp_plain`); a lossless draft has 0, whatever the engine's "
+    "kernels do against HF.",
     "speedup_vs_hf_generate": "tokens_per_s of the method / tokens_per_s of HF `generate` "
     "(greedy) over the same requests in the same run.",
     "accept_rate_by_depth": "entry d-1: fraction of decode steps that accepted at least d draft "
@@ -80,12 +84,13 @@ def group_metrics(rows: Sequence[dict], depth: int) -> dict:
         ],
         "accept_length_counts": {str(k): v for k, v in sorted(Counter(steps).items())},
         "greedy_mismatches": len(mismatches),
+        "baseline_mismatches": sum(r.get("baseline_match") is False for r in rows),
         "near_tie_mismatches": sum(m["near_tie"] for m in mismatches),
         "mismatches": mismatches,
     }
 
 
-def _add_speedups(methods: dict, group: str | None) -> None:
+def _add_speedups(methods: dict, group: str | None, baselines: dict | None = None) -> None:
     def get(name: str) -> dict | None:
         entry = methods.get(name)
         if entry is None:
@@ -96,7 +101,8 @@ def _add_speedups(methods: dict, group: str | None) -> None:
         metrics = get(name)
         if metrics is None:
             continue
-        for base, key in (("plain", "speedup_vs_plain"), ("hf_generate", "speedup_vs_hf_generate")):
+        plain = (baselines or {}).get(name) or "plain"
+        for base, key in ((plain, "speedup_vs_plain"), ("hf_generate", "speedup_vs_hf_generate")):
             base_metrics = get(base)
             if base_metrics and base_metrics["tokens_per_s"] and metrics["tokens_per_s"]:
                 metrics[key] = metrics["tokens_per_s"] / base_metrics["tokens_per_s"]
@@ -106,8 +112,13 @@ def _ordered(values: Iterable) -> list:
     return list(dict.fromkeys(values))
 
 
-def summarize(rows: Sequence[dict], depths: dict[str, int], meta: dict) -> dict:
-    """{"meta", "definitions", "methods": {name: {"overall": m, "categories": {cat: m}}}}."""
+def summarize(
+    rows: Sequence[dict], depths: dict[str, int], meta: dict, baselines: dict | None = None
+) -> dict:
+    """{"meta", "definitions", "methods": {name: {"overall": m, "categories": {cat: m}}}}.
+
+    baselines: method -> the plain decoding its speedup is against (default `plain`; the
+    llama.cpp methods use `llama_cpp_plain`, the same engine without a draft)."""
     categories = _ordered(r["category"] for r in rows)
     methods: dict[str, dict] = {}
     for name in _ordered([*depths, *(r["method"] for r in rows)]):
@@ -121,7 +132,10 @@ def summarize(rows: Sequence[dict], depths: dict[str, int], meta: dict) -> dict:
             },
         }
     for group in [None, *categories]:
-        _add_speedups(methods, group)
+        _add_speedups(methods, group, baselines)
+    for name, base in (baselines or {}).items():
+        if name in methods:
+            methods[name]["baseline"] = base
     return {"meta": meta, "definitions": DEFINITIONS, "methods": methods}
 
 

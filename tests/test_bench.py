@@ -9,10 +9,13 @@ import pytest
 import torch
 
 from eval.bench import (
+    FP32_TIE_FLOOR,
     BenchConfig,
     BenchRun,
     encode_chat,
     first_difference,
+    near_tie_threshold,
+    rounding_step,
     run_benchmark,
     top2_gaps,
 )
@@ -197,10 +200,23 @@ def test_top2_gaps_and_first_difference(tiny_llama):
     new = build_methods(tiny_llama, ["plain"])[0].run(ids, 5).tokens
     logits = tiny_llama.model(input_ids=torch.tensor([ids[0].tolist() + new])).logits[0]
     top = logits[3:8].topk(2, dim=-1).values
-    assert top2_gaps(tiny_llama.model, ids, new) == pytest.approx((top[:, 0] - top[:, 1]).tolist())
+    gaps, top1 = zip(*top2_gaps(tiny_llama.model, ids, new))
+    assert list(gaps) == pytest.approx((top[:, 0] - top[:, 1]).tolist())
+    assert list(top1) == pytest.approx(top[:, 0].tolist())
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_near_tie_threshold_follows_the_dtype():
+    # bf16 keeps 8 significant bits: logits in [8, 16) are stored to steps of 0.0625, [16, 32)
+    # to 0.125 (the gaps measured on SmolLM2's bf16 divergences)
+    assert near_tie_threshold(12.0, torch.bfloat16) == 0.0625
+    assert near_tie_threshold(20.0, torch.bfloat16) == 0.125
+    assert near_tie_threshold(20.0, torch.float16) == 2.0**-6
+    assert near_tie_threshold(20.0, torch.float32) == FP32_TIE_FLOOR  # never below the floor
+    assert near_tie_threshold(20.0, torch.bfloat16, fixed=0.5) == 0.5
+    assert rounding_step(-3.0, torch.bfloat16) == 2.0**-6
 
 
 def test_tau_evaluator(tiny_llama, tmp_path):

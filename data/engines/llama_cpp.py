@@ -127,6 +127,12 @@ class ServerConfig:
     threads: int = 2
     parallel: int = 1
     ctx_size: int = 4096
+    # KV cache element type (llama.cpp's default f16 rounds keys and values; f32 for runs that
+    # must match an f32 reference token for token)
+    cache_type: str = "f16"
+    # llama.cpp's flash attention (auto: on where it helps); its CPU kernel rounds the
+    # attention inputs to f16, so runs compared with an f32 reference turn it off
+    flash_attn: str = "auto"
     seed: int = 0
     startup_timeout_s: float = 120.0
     # 4 (trace) makes the server log per-request draft statistics ("acc per pos")
@@ -155,6 +161,7 @@ class ServerConfig:
         args += ["-t", str(self.threads), "-tb", str(self.threads), "-np", str(self.parallel)]
         args += ["-c", str(self.ctx_size * self.parallel), "--seed", str(self.seed)]
         args += ["--no-webui", "--no-warmup"]
+        args += ["-ctk", self.cache_type, "-ctv", self.cache_type, "-fa", self.flash_attn]
         if self.spec_type is not None:
             args += ["--spec-type", self.spec_type]
             args += ["--spec-draft-n-max", str(self.draft_n_max)]
@@ -162,6 +169,7 @@ class ServerConfig:
             args += ["--spec-draft-p-min", str(self.draft_p_min)]
         if self.draft:
             args += ["-md", self.draft, "-td", str(self.threads), "-tbd", str(self.threads)]
+            args += ["-ctkd", self.cache_type, "-ctvd", self.cache_type]
         if self.verbosity is not None:
             args += ["-lv", str(self.verbosity)]
         return args + list(self.extra_args)

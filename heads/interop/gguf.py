@@ -67,15 +67,16 @@ def target_gguf(
     return convert_to_gguf(target_dir, out_file, outtype)
 
 
-def gguf_for_target(cfg, outtype: str = "f16") -> Path:
-    """A GGUF of the target a TargetConfig names: the embedded file as shipped (SmolLM2's
-    Q4_1), the folder's own `gguf_file`, or else its Hugging Face folder converted once into
-    `<cache_dir>/gguf/` (`outtype`)."""
+def gguf_for_target(cfg, outtype: str = "f16", own: bool = True) -> Path:
+    """A GGUF of the target a TargetConfig names. own=True: the file it comes from when there
+    is one (the embedded SmolLM2's Q4_1 as shipped, a folder's `gguf_file`); otherwise (or
+    own=False, for a numerically faithful f32/f16 copy) its Hugging Face folder converted once
+    into `<cache_dir>/gguf/<name>-<outtype>.gguf`."""
     from heads.target import EMBEDDED, embedded_gguf, resolve_source
 
-    if cfg.name_or_path in EMBEDDED:
+    if own and cfg.name_or_path in EMBEDDED:
         return embedded_gguf(cfg.name_or_path)
-    if cfg.gguf_file:
+    if own and cfg.gguf_file:
         return Path(cfg.name_or_path) / cfg.gguf_file
     source, _ = resolve_source(cfg)
     if not (Path(source) / "config.json").is_file():

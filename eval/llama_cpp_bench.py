@@ -1,0 +1,181 @@
+"""llama.cpp methods for the benchmark: the same requests, in the same run, through llama-server.
+
+- `llama_cpp_plain`: the target GGUF, no drafting (the baseline llama.cpp speedups are against);
+- `llama_cpp_draft`: the target GGUF with a draftsmith draft GGUF (`--spec-type draft-eagle3`);
+- `llama_cpp_ngram`: llama.cpp's own n-gram drafter (`ngram-simple`), the free baseline.
+
+Each method keeps one server (one slot, the benchmark's threads) for the whole run and sends the
+harness's token ids, so every method decodes exactly the same prompt. A `Record` is filled from
+the server's answer: its tokens, the wall time of the request, and the accept lengths per target
+step. llama.cpp reports per request the accepted draft tokens and, at log verbosity 4, the share
+of verify steps that accepted at least i+1 tokens ("acc per pos"); from those the multiset of
+per-step accept lengths is rebuilt exactly (their order is not known, and the report uses only
+the multiset: tau, the histogram, per-depth rates). tau therefore means what it means for the HF
+methods: tokens per target verify step, the bonus token included, the prefill's token excluded.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from data.engines.llama_cpp import Completion, EngineError, LlamaServer, ServerConfig
+from eval.methods import Record
+
+LLAMA_CPP_METHODS = ("llama_cpp_plain", "llama_cpp_draft", "llama_cpp_ngram")
+_ACC_PER_POS = re.compile(r"acc per pos = \(([^)]*)\)")
+
+
+@dataclass
+class LlamaCppSettings:
+    """bench.llama_cpp: the GGUF files and the server's settings."""
+
+    target_gguf: str | None = None
+    draft_gguf: str | None = None
+    spec_type: str = "draft-eagle3"
+    draft_n_max: int = 3
+    draft_n_min: int = 0
+    draft_p_min: float = 0.0
+    ngram_n_max: int = 8
+    threads: int = 2
+    ctx_size: int = 4096
+
+
+def accept_lengths(completion: Completion, log_chunk: str, n_max: int) -> list[int]:
+    """Per-step accept lengths (accepted draft tokens + 1) of one request.
+
+    Steps = new tokens - 1 (the prefill's) - accepted draft tokens; with the per-position rates
+    r_i (steps accepting >= i+1 tokens / steps) the count of steps accepting exactly k is
+    round(S * (r_{k-1} - r_k)). A request that accepted nothing has S steps of length 1; one that
+    accepted tokens needs the rates (the server must run at verbosity 4), else it is an error.
+    """
+    n = len(completion.tokens)
+    accepted = completion.draft_accepted
+    steps = max(n - 1 - accepted, 0)
+    if steps == 0:
+        return []
+    if accepted == 0:
+        return [1] * steps
+    found = _ACC_PER_POS.findall(log_chunk)
+    if not found:
+        raise EngineError(
+            "llama-server logged no per-position acceptance for a drafted request; start it "
+            "with verbosity=4 (ServerConfig.verbosity) to benchmark a draft."
+        )
+    rates = [float(x) for x in found[-1].split(",") if x.strip()][:n_max]
+    at_least = [round(steps * r) for r in rates] + [0]  # steps accepting >= i+1 tokens
+    lengths = []
+    for k in range(len(rates), 0, -1):
+        lengths += [k + 1] * max(at_least[k - 1] - at_least[k], 0)
+    lengths += [1] * max(steps - len(lengths), 0)
+    # rounding can be off by one step; the accepted total is exact, so trust it
+    surplus = sum(a - 1 for a in lengths) - accepted
+    while surplus > 0 and lengths and lengths[0] > 1:
+        lengths[0] -= 1
+        lengths.sort(reverse=True)
+        surplus -= 1
+    return lengths
+
+
+class LlamaCppMethod:
+    """One benchmark method served by one llama-server (started on first use)."""
+
+    def __init__(self, name: str, config: ServerConfig) -> None:
+        self.name, self.config = name, config
+        drafts = config.spec_type is not None
+        self.max_draft_depth = config.draft_n_max if drafts else 0
+        # a drafting method is compared with (and sped up against) the same engine undrafted
+        self.baseline = "llama_cpp_plain" if drafts else None
+        self.server: LlamaServer | None = None
+
+    def run(self, input_ids: Tensor, max_new_tokens: int) -> Record:
+        if self.server is None:
+            self.server = LlamaServer(self.config).start()
+        self.server.new_log()
+        ids = input_ids[0].tolist()
+        t0 = time.perf_counter()
+        done = self.server.complete(ids, max_new_tokens)
+        seconds = time.perf_counter() - t0
+        lengths = accept_lengths(done, self.server.new_log(), max(self.max_draft_depth, 1))
+        return Record(
+            tokens=done.tokens,
+            target_forwards=1 + len(lengths),
+            prefill_tokens=min(1, len(done.tokens)),
+            accept_lengths=lengths,
+            seconds=seconds,
+        )
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+def build_llama_cpp_methods(names, settings: LlamaCppSettings) -> list[LlamaCppMethod]:
+    """The llama.cpp methods among `names`, in that order."""
+    if not settings.target_gguf:
+        raise ValueError(
+            "llama.cpp methods need bench.llama_cpp.target_gguf (the target as GGUF; for the "
+            "embedded SmolLM2, `python scripts/export.py RUN --format gguf` writes or names one)."
+        )
+    base = dict(model=settings.target_gguf, threads=settings.threads, ctx_size=settings.ctx_size)
+    out = []
+    for name in names:
+        if name == "llama_cpp_plain":
+            cfg = ServerConfig(**base)
+        elif name == "llama_cpp_draft":
+            if not settings.draft_gguf:
+                raise ValueError(
+                    "llama_cpp_draft needs bench.llama_cpp.draft_gguf (scripts/export.py RUN "
+                    "--format gguf writes it)."
+                )
+            cfg = ServerConfig(
+                **base,
+                draft=settings.draft_gguf,
+                spec_type=settings.spec_type,
+                draft_n_max=settings.draft_n_max,
+                draft_n_min=settings.draft_n_min,
+                draft_p_min=settings.draft_p_min,
+                verbosity=4,
+            )
+        elif name == "llama_cpp_ngram":
+            cfg = ServerConfig(
+                **base, spec_type="ngram-simple", draft_n_max=settings.ngram_n_max, verbosity=4
+            )
+        else:
+            continue
+        out.append(LlamaCppMethod(name, cfg))
+    return out
+
+
+def best_draft_length(
+    at_least: list[float], step_ms: dict[int, float], draft_ms_per_token: float = 0.0
+) -> tuple[int, dict[int, float]]:
+    """The draft length k that maximises expected tokens per millisecond.
+
+    at_least[i]: measured share of steps that accept >= i+1 draft tokens when drafting
+    len(at_least) tokens (a shorter draft accepts the same prefix). step_ms: measured target
+    verify milliseconds for some draft lengths (k -> ms; linear in between, held flat beyond).
+    Expected tokens per step with k drafted = 1 + sum(at_least[:k]); cost = verify(k) +
+    k * draft_ms_per_token. Returns (best k, k -> expected tokens per second).
+    """
+    known = sorted(step_ms)
+
+    def verify(k: int) -> float:
+        if k <= known[0]:
+            return step_ms[known[0]]
+        for lo, hi in zip(known, known[1:]):
+            if lo <= k <= hi:
+                w = (k - lo) / (hi - lo)
+                return step_ms[lo] * (1 - w) + step_ms[hi] * w
+        return step_ms[known[-1]]
+
+    speed = {}
+    for k in range(0, len(at_least) + 1):
+        tokens = 1 + sum(at_least[:k])
+        speed[k] = 1000 * tokens / (verify(k) + k * draft_ms_per_token)
+    best = max(speed, key=speed.get)
+    return best, speed
