@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from data.errors import NonFiniteError
+from data.errors import DraftsmithError, NonFiniteError
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -168,7 +168,7 @@ class TargetInfo:
         )
 
 
-class HeadMismatchError(ValueError):
+class HeadMismatchError(DraftsmithError, ValueError):
     """A head checkpoint does not fit the target it is being loaded onto."""
 
 

@@ -21,6 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
+from data.errors import DraftsmithError
 from heads.base import CONFIG_NAME, WEIGHTS_NAME, HeadMismatchError, TargetInfo
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ AGAIN = "save or download the head again"
 OWN_KEYS = frozenset({"method", "draftsmith_version", "target"})
 
 
-class HeadFolderError(ValueError):
+class HeadFolderError(DraftsmithError, ValueError):
     """A head folder that cannot be read as written: damaged, incomplete or mislabelled."""
 
 

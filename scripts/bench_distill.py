@@ -1,10 +1,14 @@
-"""Self-distillation throughput by batch size, on the embedded target (or any conf/model).
+"""Self-distillation throughput by backend and batch size, on the embedded target (or any
+conf/model), and how often each backend's greedy answers equal HF's.
 
     python scripts/bench_distill.py --batch-sizes 1 8 32 --prompts 32 --max-new-tokens 128
+    python scripts/bench_distill.py --batch-sizes 8 --llama-cpp-slots 1 8 --prompts 32
 
-Each batch size regenerates the same first N prompts (first turns only: one generate call per
-batch, so the numbers compare) into a scratch file; prints generated tokens/s per batch size and
-the ratio to batch size 1, and writes them to --out (JSON).
+Each setting regenerates the same first N prompts (first turns only) into a scratch file:
+`hf` at each batch size (transformers generate), `llama_cpp` with each number of parallel slots
+(llama-server on the target's GGUF: the embedded Q4_1 file; `--gguf` another). Prints generated
+tokens/s per setting, the ratio to the first, and the share of answers identical to the first HF
+setting's (quantised kernels may differ from HF's fp32), and writes them to --out (JSON).
 """
 
 from __future__ import annotations
@@ -25,13 +29,15 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--llama-cpp-slots", type=int, nargs="*", default=[])
+    parser.add_argument("--gguf", help="the target GGUF for llama_cpp (default: its own)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_distill.json"))
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from data.distill import DistillConfig, distill
+    from data.distill import DistillConfig, distill, read_rows
     from data.formats import read_prompts
     from data.paths import resolve_path
     from train.rundir import load_conf_target
@@ -43,25 +49,50 @@ def main() -> None:
         source = Path(tmp) / "prompts.jsonl"
         source.write_text("".join(json.dumps({"id": i, "prompt": p["turns"][0]}) + "\n"
                                   for i, p in enumerate(prompts)))  # fmt: skip
-        for bs in args.batch_sizes:
-            cfg = DistillConfig(prompts=[str(source)], out=str(Path(tmp) / f"bs{bs}.jsonl"),
-                                max_new_tokens=args.max_new_tokens, batch_size=bs)  # fmt: skip
+        settings = [("hf", bs, {"batch_size": bs}) for bs in args.batch_sizes]
+        gguf = args.gguf or (str(_target_gguf(args.model)) if args.llama_cpp_slots else None)
+        for slots in args.llama_cpp_slots:
+            engine = {"backend": "llama_cpp", "gguf": gguf, "parallel": slots}
+            settings.append(("llama_cpp", slots, {"batch_size": max(slots, 8), **engine}))
+        answers: dict[str, dict] = {}
+        for backend, size, extra in settings:
+            name = f"{backend}-{size}"
+            out = Path(tmp) / f"{name}.jsonl"
+            cfg = DistillConfig(prompts=[str(source)], out=str(out),
+                                max_new_tokens=args.max_new_tokens, **extra)  # fmt: skip
             t0 = time.perf_counter()
             stats = distill(target, cfg, progress=False)
-            stats["wall_s"] = time.perf_counter() - t0
-            stats["batch_size"] = bs
+            stats |= {"wall_s": time.perf_counter() - t0, "backend": backend, "size": size}
+            answers[name] = {r["id"]: r["messages"][-1]["content"] for r in read_rows(out)}
+            first = next(iter(answers.values()))
+            stats["same_as_first"] = sum(answers[name].get(k) == v for k, v in first.items())
             results.append(stats)
-            print(f"batch {bs:3d}: {stats['new_tokens']} tokens in {stats['seconds']:.1f}s = "
-                  f"{stats['tokens_per_s']:.1f} tokens/s", flush=True)  # fmt: skip
+            print(f"{name:12s}: {stats['new_tokens']} tokens in {stats['seconds']:.1f}s = "
+                  f"{stats['tokens_per_s']:.1f} tokens/s; {stats['same_as_first']}/"
+                  f"{len(first)} answers equal the first setting's", flush=True)  # fmt: skip
     base = results[0]["tokens_per_s"]
     for r in results:
         r["ratio_to_first"] = r["tokens_per_s"] / base if base else None
     report = {"model": args.model, "threads": torch.get_num_threads(), "prompts": len(prompts),
+              "gguf": gguf,
               "max_new_tokens": args.max_new_tokens, "results": results}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps([(r["batch_size"], round(r["tokens_per_s"], 1),
+    print(json.dumps([(r["backend"], r["size"], round(r["tokens_per_s"], 1),
                        round(r["ratio_to_first"], 2)) for r in results]))  # fmt: skip
+
+
+def _target_gguf(model: str):
+    from omegaconf import OmegaConf
+
+    from data.paths import resolve_path
+    from heads.interop.gguf import gguf_for_target
+    from heads.target import TargetConfig
+
+    doc = OmegaConf.to_container(
+        OmegaConf.load(resolve_path(f"conf/model/{model}.yaml")), resolve=True
+    )
+    return gguf_for_target(TargetConfig(**{k: v for k, v in doc.items() if k != "_target_"}))
 
 
 if __name__ == "__main__":

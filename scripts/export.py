@@ -3,6 +3,7 @@
     python scripts/export.py RUN_DIR --format eagle3 --out DIR
     python scripts/export.py RUN_DIR --format medusa --out DIR --bench outputs/eval/<run>
     python scripts/export.py RUN_DIR --format eagle3 --out DIR --push-to-hub me/smollm2-eagle3
+    python scripts/export.py RUN_DIR --format gguf --out DIR [--target-outtype f32]
 
 RUN_DIR is what train.py wrote (its best_head/, else head/) or a head folder. Formats:
 native (draftsmith's own), eagle3 (vLLM / SGLang EAGLE-3), eagle (EAGLE-1/2), medusa (vLLM's
@@ -10,6 +11,8 @@ Medusa), medusa_fd (FasterDecoding/Medusa). The folder gets config.json, model.s
 model card, and is proved before it is written: it is re-imported and decoded greedily next to
 the head on a few prompts (same tokens, same tau), or the export fails and writes nothing.
 --push-to-hub uploads it (private unless --public) with the token in HF_TOKEN.
+gguf (llama.cpp, EAGLE-3 drafts) writes draft-<outtype>.gguf through llama.cpp's converter and
+proves it in llama-server: drafted greedy output = llama.cpp's plain output (eval/gguf_export.py).
 """
 
 from __future__ import annotations
@@ -27,7 +30,13 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("source", help="a train.py run dir or a head folder")
-    parser.add_argument("--format", required=True, choices=FORMATS)
+    parser.add_argument("--format", required=True, choices=[*FORMATS, "gguf"])
+    parser.add_argument("--outtype", default="f32", help="gguf: the draft's GGUF type")
+    parser.add_argument(
+        "--target-outtype",
+        help="gguf: also convert the target (f32, f16, bf16, q8_0) for faithful runs; "
+        "default: the target's own GGUF (the embedded SmolLM2's Q4_1)",
+    )
     parser.add_argument("--out", required=True, type=Path, help="the folder to write")
     parser.add_argument(
         "--bench", help="an evaluate.py run dir: its table and plots go in the card"
@@ -42,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from eval.export import ExportCheckError, export_draft
     from eval.hub import HubUploadError
+
+    if args.format == "gguf":
+        return _export_gguf(args)
 
     try:
         result = export_draft(
@@ -63,6 +75,34 @@ def main(argv: list[str] | None = None) -> int:
           f"tau {check['tau_export']:.3f} = head {check['tau_head']:.3f}")  # fmt: skip
     if result.url:
         print(f"pushed: {result.url}")
+    return 0
+
+
+def _export_gguf(args) -> int:
+    from data.engines.llama_cpp import EngineError
+    from eval.export import ExportCheckError
+    from eval.gguf_export import export_gguf_run
+
+    try:
+        doc = export_gguf_run(
+            args.source,
+            args.out,
+            outtype=args.outtype,
+            target_outtype=args.target_outtype,
+            check_prompts=args.check_prompts,
+            check_tokens=args.check_tokens,
+            overwrite=args.overwrite,
+        )
+    except (ExportCheckError, EngineError, FileExistsError, FileNotFoundError, ValueError) as e:
+        print(f"export failed: {e}", file=sys.stderr)
+        return 1
+    check = doc["check"]
+    print(
+        f"wrote {args.out}/{doc['draft']} ({doc['spec_type']}); llama.cpp with the draft = "
+        f"plain on {check['identical']}/{check['prompts']} prompts "
+        f"({len(check['near_tie_divergences'])} near-tie divergences); accepted draft tokens "
+        f"llama.cpp {check['llama_cpp_accepted']}, harness {check['harness_accepted']}"
+    )
     return 0
 
 

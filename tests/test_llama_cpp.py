@@ -226,7 +226,8 @@ def test_llama_cpp_speculative_equals_plain_and_acceptance_matches(tiny_setup):
     assert same >= len(prompts) - 1, f"llama.cpp f32 differs from HF greedy on {6 - same} prompts"
     # the draft is accepted in llama.cpp as in our harness (same chain, same prompts)
     harness = [_harness_chain(target, head, ids) for ids in prompts]
-    h_acc = sum(sum(r.accept_lengths) - len(r.accept_lengths) for r in harness)
+    # counted as llama.cpp counts: within the budget (new tokens - the prefill's - steps)
+    h_acc = sum(r.new_tokens.numel() - 1 - len(r.accept_lengths) for r in harness)
     e_acc = sum(c.draft_accepted for c in spec)
     h_steps = sum(len(r.accept_lengths) for r in harness)
     assert h_acc > 0.2 * h_steps, f"the tiny draft barely learned ({h_acc} in {h_steps} steps)"
@@ -405,3 +406,24 @@ def test_benchmark_runs_llama_cpp_methods_beside_hf(tiny_setup, tmp_path):
     assert got["llama_cpp_plain"]["overall"]["tau"] == 1.0
     assert len(draft["accept_rate_by_depth"]) == CHAIN
     assert (tmp_path / "out" / "report.md").is_file()
+
+
+def test_gguf_export_of_a_run_is_proved_in_llama_cpp(tiny_setup, tmp_path):
+    import importlib.util
+
+    from eval.gguf_export import export_gguf_run
+
+    _, _, _, target_file, _ = tiny_setup
+    run_dir = Path(target_file).parent / "run"
+    out = tmp_path / "gguf"
+    doc = export_gguf_run(run_dir, out, target_outtype="f32", check_prompts=3, check_tokens=24)
+    assert (out / "draft-f32.gguf").is_file() and (out / "target-f32.gguf").is_file()
+    check = doc["check"]
+    assert check["identical"] + len(check["near_tie_divergences"]) == 3
+    assert abs(check["llama_cpp_accepted"] - check["harness_accepted"]) <= 3
+    assert json.loads((out / "export.json").read_text())["spec_type"] == "draft-eagle3"
+    # the command line refuses an existing folder without --overwrite, in one line
+    spec = importlib.util.spec_from_file_location("export_cli", CONF.parent / "scripts/export.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    assert cli.main([str(run_dir), "--format", "gguf", "--out", str(out)]) == 1

@@ -8,10 +8,9 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor
 
-from heads.base import CONFIG_NAME, atomic_save_dir
+from heads.base import CONFIG_NAME, atomic_save_dir, save_safetensors
 from heads.draft_layer import LayerSpec
 from heads.eagle import EagleHead
 from heads.eagle3 import Eagle3Head
@@ -60,7 +59,7 @@ def export_draft(head, target, fmt: str, out_dir) -> dict:
 
     def write(tmp: Path) -> None:
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-        save_file(tensors, str(tmp / filename), metadata={"format": "pt"})
+        save_safetensors(tensors, tmp / filename, {"format": "pt"})
 
     atomic_save_dir(out_dir, write)
     return config

@@ -10,6 +10,7 @@ GGUF of its own only when it is not one already: the embedded SmolLM2 is shipped
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -84,8 +85,12 @@ def gguf_for_target(cfg, outtype: str = "f16", own: bool = True) -> Path:
             f"model.name_or_path={cfg.name_or_path}: llama.cpp needs the target as GGUF; give a "
             "local folder (converted once) or set data.self_distill.gguf to a .gguf file."
         )
-    name = Path(source).resolve().name
-    out = Path(cfg.cache_dir).expanduser() / "gguf" / f"{name}-{outtype}.gguf"
+    folder = Path(source).resolve()
+    stamp = [str(folder)] + [
+        f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in sorted(folder.iterdir())
+    ]
+    digest = hashlib.sha1("|".join(stamp).encode()).hexdigest()[:10]
+    out = Path(cfg.cache_dir).expanduser() / "gguf" / f"{folder.name}-{digest}-{outtype}.gguf"
     if not out.is_file():
         target_gguf(source, out, outtype)
     return out
