@@ -397,8 +397,10 @@ def distill(
 
 def _generate_all(gen, todo, cfg: DistillConfig, meta: dict, paths, stats: dict, bar, t0) -> None:
     mine_path, skipped_file = paths
-    for start in range(0, len(todo), cfg.batch_size):
-        batch = todo[start : start + cfg.batch_size]
+    # a server keeps its slots busy only while requests are queued: hand it several per slot
+    step = cfg.batch_size if cfg.backend == "hf" else max(cfg.batch_size, 4 * cfg.parallel)
+    for start in range(0, len(todo), step):
+        batch = todo[start : start + step]
         rows, skipped, tokens = _run_batch(gen, batch, cfg, meta)
         _append(mine_path, rows)
         _append(skipped_file, skipped)

@@ -146,7 +146,8 @@ def export_gguf_run(
     """Write the draft GGUF (and the target's when asked) into `out`, proved in llama.cpp."""
     import heads
     from heads.interop.gguf import export_gguf, gguf_for_target, spec_type_for
-    from heads.target import TargetConfig, resolve_source
+    from heads.target import resolve_source
+    from train.rundir import target_config
 
     head_dir, run_dir = find_head(source)
     out = Path(out)
@@ -157,7 +158,7 @@ def export_gguf_run(
     head = heads.from_pretrained(head_dir, target).eval()
     spec_type = spec_type_for(head)
     model = dict(context.get("config", {}).get("model") or {"name_or_path": target.name_or_path})
-    model_cfg = TargetConfig(**{k: v for k, v in model.items() if k != "_target_"})
+    model_cfg = target_config(model)
     target_dir, _ = resolve_source(model_cfg)
     found: dict = {}
 

@@ -42,6 +42,8 @@ class LlamaCppSettings:
     ngram_n_max: int = 8
     threads: int = 2
     ctx_size: int = 4096
+    cache_type: str = "f16"  # f32 with flash_attn=off: token-faithful runs (see ServerConfig)
+    flash_attn: str = "auto"
 
 
 def accept_lengths(completion: Completion, log_chunk: str, n_max: int) -> list[int]:
@@ -99,7 +101,7 @@ class LlamaCppMethod:
         t0 = time.perf_counter()
         done = self.server.complete(ids, max_new_tokens)
         seconds = time.perf_counter() - t0
-        lengths = accept_lengths(done, self.server.new_log(), max(self.max_draft_depth, 1))
+        lengths = accept_lengths(done, self._request_log(done), max(self.max_draft_depth, 1))
         return Record(
             tokens=done.tokens,
             target_forwards=1 + len(lengths),
@@ -107,6 +109,19 @@ class LlamaCppMethod:
             accept_lengths=lengths,
             seconds=seconds,
         )
+
+    def _request_log(self, done: Completion, wait_s: float = 5.0) -> str:
+        """The server's log lines for the request just answered. The server prints a slot's
+        statistics as the slot is released, which can be just after the answer is sent: a
+        drafted request waits (briefly) for its "acc per pos" line."""
+        text = self.server.new_log()
+        deadline = time.monotonic() + wait_s
+        while done.draft_accepted > 0 and not _ACC_PER_POS.search(text):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+            text += self.server.new_log()
+        return text
 
     def close(self) -> None:
         if self.server is not None:
@@ -121,7 +136,13 @@ def build_llama_cpp_methods(names, settings: LlamaCppSettings) -> list[LlamaCppM
             "llama.cpp methods need bench.llama_cpp.target_gguf (the target as GGUF; for the "
             "embedded SmolLM2, `python scripts/export.py RUN --format gguf` writes or names one)."
         )
-    base = dict(model=settings.target_gguf, threads=settings.threads, ctx_size=settings.ctx_size)
+    base = dict(
+        model=settings.target_gguf,
+        threads=settings.threads,
+        ctx_size=settings.ctx_size,
+        cache_type=settings.cache_type,
+        flash_attn=settings.flash_attn,
+    )
     out = []
     for name in names:
         if name == "llama_cpp_plain":

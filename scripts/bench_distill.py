@@ -50,7 +50,7 @@ def main() -> None:
         source.write_text("".join(json.dumps({"id": i, "prompt": p["turns"][0]}) + "\n"
                                   for i, p in enumerate(prompts)))  # fmt: skip
         settings = [("hf", bs, {"batch_size": bs}) for bs in args.batch_sizes]
-        gguf = args.gguf or (str(_target_gguf(args.model)) if args.llama_cpp_slots else None)
+        gguf = args.gguf or (str(_gguf_of(args.model)) if args.llama_cpp_slots else None)
         for slots in args.llama_cpp_slots:
             engine = {"backend": "llama_cpp", "gguf": gguf, "parallel": slots}
             settings.append(("llama_cpp", slots, {"batch_size": max(slots, 8), **engine}))
@@ -82,18 +82,15 @@ def main() -> None:
                        round(r["ratio_to_first"], 2)) for r in results]))  # fmt: skip
 
 
-def _target_gguf(model: str):
+def _gguf_of(model: str):
+    """The GGUF llama.cpp serves for a conf/model option (the embedded target's own file)."""
     from omegaconf import OmegaConf
 
     from data.paths import resolve_path
     from heads.interop.gguf import gguf_for_target
-    from heads.target import TargetConfig
+    from train.rundir import target_config
 
-    doc = OmegaConf.to_container(
-        OmegaConf.load(resolve_path(f"conf/model/{model}.yaml")), resolve=True
+    path = resolve_path(f"conf/model/{model}.yaml")
+    return gguf_for_target(
+        target_config(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
     )
-    return gguf_for_target(TargetConfig(**{k: v for k, v in doc.items() if k != "_target_"}))
-
-
-if __name__ == "__main__":
-    main()

@@ -161,13 +161,19 @@ def check_kept_head(run_dir: str | os.PathLike) -> Path | None:
 # ---- the target a run trained on ---------------------------------------------------------
 
 
-def load_target_config(model: Mapping[str, Any]):
-    """Load a target from a `model:` config section (conf/model/*.yaml or a run's config.yaml):
-    its Hydra `_target_` key is dropped and the rest becomes a TargetConfig."""
-    from heads.target import TargetConfig, load_target
+def target_config(model: Mapping[str, Any]):
+    """The TargetConfig of a `model:` config section (conf/model/*.yaml or a run's config.yaml):
+    its Hydra `_target_` key is dropped and the rest becomes the dataclass."""
+    from heads.target import TargetConfig
 
-    fields = {k: v for k, v in dict(model).items() if k != "_target_"}
-    return load_target(TargetConfig(**fields))
+    return TargetConfig(**{k: v for k, v in dict(model).items() if k != "_target_"})
+
+
+def load_target_config(model: Mapping[str, Any]):
+    """Load a target from a `model:` config section (see target_config)."""
+    from heads.target import load_target
+
+    return load_target(target_config(model))
 
 
 def load_conf_target(name: str):
