@@ -303,6 +303,12 @@ class _Generator:
             pad_token_id=self.pad,
         )
 
+    def __enter__(self) -> _Generator:  # nothing to start: the model is in this process
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], seed: int) -> list[tuple[list[int], str]]:
         """(answer ids without EOS, "eos" | "length") for each prompt."""
@@ -381,7 +387,7 @@ def distill(
     stats = {"rows": 0, "skipped": 0, "new_tokens": 0, "seconds": 0.0}
     bar = _progress(len(todo), progress and rank == 0)
     t0 = time.perf_counter()
-    with gen.engine if todo else contextlib.nullcontext():
+    with gen if todo else contextlib.nullcontext():
         _generate_all(gen, todo, cfg, meta, (mine_path, skipped_path(out)), stats, bar, t0)
     if bar is not None:
         bar.close()
@@ -414,17 +420,11 @@ def _generate_all(gen, todo, cfg: DistillConfig, meta: dict, paths, stats: dict,
 
 
 def _make_generator(target, cfg: DistillConfig, encoder: ChatEncoder, eos: list[int]):
-    """The HF generator, or a server's behind the same `generate` (its `engine` is the context
-    that starts and stops the server; a no-op for HF)."""
+    """The HF generator, or a server's behind the same `generate`; both are context managers
+    (a server starts on enter and stops on exit)."""
     if cfg.backend == "hf":
-        gen = _Generator(target, cfg, encoder, eos)
-        gen.engine = contextlib.nullcontext()
-        return gen
-    server = ServerGenerator(
-        cfg.server, cfg.max_new_tokens, cfg.temperature, cfg.top_p, eos, target.tokenizer
-    )
-    server.encoder, server.tok, server.engine = encoder, target.tokenizer, server
-    return server
+        return _Generator(target, cfg, encoder, eos)
+    return ServerGenerator(cfg.server, encoder, cfg.max_new_tokens, cfg.temperature, cfg.top_p, eos)
 
 
 def _run_batch(gen: _Generator, batch: list[WorkItem], cfg: DistillConfig, meta: dict):

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from data.engines.llama_cpp import LlamaServer, ServerConfig
+from eval.bench import first_difference
 from eval.export import CHECK_PROMPTS, ExportCheckError, _load_target, find_head, run_context
 from eval.tree_spec import resolve_tree
 from heads.base import atomic_save_dir
@@ -68,9 +69,7 @@ def llama_cpp_proof(
     at near ties only), and llama.cpp's acceptance."""
     engine = {"cache_type": "f32", "flash_attn": "off"} if faithful else {}
     with LlamaServer(ServerConfig(model=target_gguf, **engine)) as server:
-        plain = [
-            server.post("/completion", _greedy(ids, max_new_tokens, n_probs=2)) for ids in prompts
-        ]
+        plain = [server.complete(ids, max_new_tokens, n_probs=2) for ids in prompts]
     spec_cfg = ServerConfig(
         model=target_gguf, draft=draft_gguf, spec_type=spec_type, draft_n_max=chain, **engine
     )
@@ -78,13 +77,9 @@ def llama_cpp_proof(
         drafted = [server.complete(ids, max_new_tokens) for ids in prompts]
     ties, accepted, tokens = [], 0, 0
     for i, (p, d) in enumerate(zip(plain, drafted)):
-        ref = [int(t) for t in p.get("tokens", [])]
-        index = next((j for j, (a, b) in enumerate(zip(ref, d.tokens)) if a != b), None)
-        if index is None and len(ref) != len(d.tokens):
-            index = min(len(ref), len(d.tokens))
+        index = first_difference(p.tokens, d.tokens)
         if index is not None:
-            probs = p.get("completion_probabilities") or []
-            gap = _top2_gap(probs[index]) if index < len(probs) else None
+            gap = _top2_gap(p.probs[index]) if index < len(p.probs) else None
             if gap is None or gap > near_tie:
                 raise ExportCheckError(
                     f"llama.cpp decodes prompt {i} differently with the draft (token {index}, "
@@ -104,14 +99,6 @@ def llama_cpp_proof(
         "llama_cpp_accepted": accepted,
         "llama_cpp_tau": (tokens - len(prompts)) / steps,
     }
-
-
-def _greedy(ids: list[int], n: int, n_probs: int = 0) -> dict:
-    body = {"prompt": ids, "n_predict": n, "temperature": 0.0, "top_k": 1, "cache_prompt": False}
-    body |= {"return_tokens": True, "stream": False}
-    if n_probs:
-        body["n_probs"] = n_probs
-    return body
 
 
 def harness_acceptance(head, target, prompts: list[list[int]], max_new_tokens: int, chain: int):

@@ -183,6 +183,7 @@ class Completion:
     text: str
     stop_type: str
     timings: dict
+    probs: list = field(default_factory=list)  # per token, with n_probs > 0: the top entries
 
     @property
     def draft_n(self) -> int:
@@ -348,20 +349,13 @@ class LlamaServer:
             text=doc.get("content", ""),
             stop_type=str(doc.get("stop_type", "")),
             timings=doc.get("timings", {}),
+            probs=doc.get("completion_probabilities") or [],
         )
 
     def post(self, route: str, body: dict, timeout_s: float = 600) -> dict:
-        data = json.dumps(body).encode()
-        req = urllib.request.Request(
-            self.url + route, data=data, headers={"Content-Type": "application/json"}
-        )
         try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-                return json.loads(resp.read())
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:500]
-            raise EngineError(f"llama-server refused {route} ({e.code}): {detail}") from None
-        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            return post_json(self.url + route, body, timeout_s)
+        except ConnectionError as e:
             state = "died" if self.proc and self.proc.poll() is not None else "did not answer"
             raise EngineError(
                 f"llama-server {state} on {route} ({e}); its log ends:\n{self.log_tail()}"
@@ -372,6 +366,23 @@ class LlamaServer:
         if self.config.draft:
             names += f", draft {self.config.draft}"
         return names
+
+
+def post_json(url: str, body: dict, timeout_s: float = 600) -> dict:
+    """POST `body` as JSON and return the JSON answer. A server that answers with an error is
+    an EngineError quoting it; one that cannot be reached raises ConnectionError (the caller
+    knows what to add: a server's log, or a hint to start it)."""
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[:500]
+        raise EngineError(f"{url} refused the request ({e.code}): {detail}") from None
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+        raise ConnectionError(str(e)) from None
 
 
 def free_port() -> int:

@@ -14,13 +14,10 @@ SGLang:  python -m sglang.launch_server --model-path MODEL --port 30000
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from data.engines.llama_cpp import EngineError, LlamaServer, ServerConfig
+from data.engines.llama_cpp import EngineError, LlamaServer, ServerConfig, post_json
 
 BACKENDS = ("hf", "llama_cpp", "openai")
 
@@ -58,16 +55,17 @@ class ServerGenerator:
     def __init__(
         self,
         cfg: ServerBackendConfig,
+        encoder,
         max_new_tokens: int,
         temperature: float,
         top_p: float,
         eos_ids: list[int],
-        tokenizer=None,
     ) -> None:
-        self.cfg = cfg
+        """encoder: data.chat.ChatEncoder, which renders the prompts (`encoder.prompt`); its
+        tokenizer decodes answers (and, for openai, the prompt text and the answers' ids)."""
+        self.cfg, self.encoder, self.tok = cfg, encoder, encoder.tokenizer
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.eos = set(eos_ids)
-        self.tokenizer = tokenizer  # openai: decodes the prompt ids, encodes the answers
         self.server: LlamaServer | None = None
 
     def __enter__(self) -> ServerGenerator:
@@ -117,7 +115,7 @@ class ServerGenerator:
         return ids
 
     def _openai(self, prompt: list[int], seed: int) -> list[int]:
-        text = self.tokenizer.decode(prompt, skip_special_tokens=False)
+        text = self.tok.decode(prompt, skip_special_tokens=False)
         body = {
             "prompt": text,
             "max_tokens": self.max_new_tokens,
@@ -128,16 +126,12 @@ class ServerGenerator:
         if self.cfg.model:
             body["model"] = self.cfg.model
         url = self.cfg.server_url.rstrip("/") + "/v1/completions"
-        req = urllib.request.Request(
-            url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
         try:
-            with urllib.request.urlopen(req, timeout=600) as resp:
-                doc = json.loads(resp.read())
-        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            doc = post_json(url, body)
+        except ConnectionError as e:
             raise EngineError(f"{url}: request failed ({e}); is the server running?") from None
         choice = doc["choices"][0]
-        ids = self.tokenizer(choice.get("text", ""), add_special_tokens=False).input_ids
+        ids = self.tok(choice.get("text", ""), add_special_tokens=False).input_ids
         if choice.get("finish_reason") == "stop":
             ids.append(min(self.eos))
         return ids
