@@ -27,6 +27,7 @@ or another target is refused (mixing them would silently blend two datasets).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -43,6 +44,7 @@ from data.engines.server_generation import ServerBackendConfig, ServerGenerator
 from data.formats import DataFormatError, read_prompts
 from data.json_files import iter_jsonl
 from data.paths import atomic_write, resolve_path
+from data.synthesize import SynthesisSpec, sample_user_turns, synthesis_spec, synthesize
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +117,9 @@ class DistillConfig:
         """What decides the output text (recorded in OUT.meta.json and checked on resume)."""
         keep = ("max_new_tokens", "temperature", "top_p", "num_samples", "max_prompt_tokens")
         settings = {k: getattr(self, k) for k in keep} | {"seed": self.seed}
+        synth = [p["synthesize"] for p in self.prompts if "synthesize" in p]
+        if synth:  # the synthesis settings decide which prompts a key names
+            settings["synthesize"] = synth
         if self.backend != "hf":  # another engine's kernels write other text: never mix them
             engine = Path(self.gguf).name if self.gguf else self.server_url
             settings |= {"backend": self.backend, "engine": engine}
@@ -122,10 +127,15 @@ class DistillConfig:
 
 
 def _prompt_spec(entry) -> dict:
-    """A prompts entry as {path, skip, max_rows, split}."""
+    """A prompts entry as {path, skip, max_rows, split}, or {synthesize: {SynthesisSpec fields}}
+    for prompts the target writes itself (data/synthesize.py)."""
     if isinstance(entry, str):
         return {"path": entry, "skip": 0, "max_rows": None, "split": "train"}
     entry = dict(entry)
+    if "synthesize" in entry:
+        if isinstance(entry["synthesize"], dict):  # already normalised
+            entry = entry["synthesize"]
+        return {"synthesize": dataclasses.asdict(synthesis_spec(entry))}
     unknown = set(entry) - {"path", "skip", "max_rows", "split"}
     if "path" not in entry or unknown:
         raise ValueError(
@@ -145,17 +155,45 @@ def _prompt_spec(entry) -> dict:
 
 @dataclass
 class WorkItem:
+    """One conversation to write. A None turn is a user turn the target writes itself (a
+    synthesised follow-up, sampled as `synth` says); `system` opens the conversation."""
+
     key: str
     source: str
     prompt_id: str
     sample: int
-    turns: list[str]
+    turns: list[str | None]
+    system: str | None = None
+    synth: SynthesisSpec | None = None
 
 
-def work_items(cfg: DistillConfig) -> list[WorkItem]:
-    """Every (prompt, sample) of every source, in a fixed order."""
+def synthesis_specs(cfg: DistillConfig) -> list[SynthesisSpec]:
+    return [SynthesisSpec(**p["synthesize"]) for p in cfg.prompts if "synthesize" in p]
+
+
+def work_items(
+    cfg: DistillConfig, synthesized: dict[str, list[dict]] | None = None
+) -> list[WorkItem]:
+    """Every (prompt, sample) of every source, in a fixed order. synthesized: the accepted
+    prompts of each synthesis entry by name (data.synthesize.synthesize)."""
     items, seen = [], set()
     for spec in cfg.prompts:
+        if "synthesize" in spec:
+            synth = SynthesisSpec(**spec["synthesize"])
+            if synth.name in seen:
+                raise DataFormatError(
+                    f"two prompt sources are named {synth.name!r}; give each synthesis entry "
+                    "its own name"
+                )
+            seen.add(synth.name)
+            for prompt in (synthesized or {}).get(synth.name, []):
+                for sample in range(cfg.num_samples):
+                    key = f"{synth.name}/{prompt['id']}/{sample}"
+                    items.append(
+                        WorkItem(key, synth.name, str(prompt["id"]), sample, prompt["turns"],
+                                 synth.system, synth)
+                    )
+            continue
         source = spec["path"]
         path = resolve_path(source)
         found = str(path) if path.exists() else source
@@ -291,17 +329,22 @@ class _Generator:
         self.eos = set(eos_ids)
         pad = self.tok.pad_token_id
         self.pad = pad if pad is not None else eos_ids[0]
-        sampling = {"do_sample": cfg.temperature > 0}
-        if cfg.temperature > 0:
-            sampling |= {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": 0}
-        self.config = GenerationConfig(
-            max_new_tokens=cfg.max_new_tokens,
+        self._config = lambda temperature, top_p, max_new_tokens: GenerationConfig(
+            max_new_tokens=max_new_tokens,
             min_length=0,
             num_beams=1,
-            **(NEUTRAL_PROCESSORS | sampling),
+            **(
+                NEUTRAL_PROCESSORS
+                | (
+                    {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+                    if temperature > 0
+                    else {"do_sample": False}
+                )
+            ),
             eos_token_id=eos_ids,
             pad_token_id=self.pad,
         )
+        self.config = self._config(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
 
     def __enter__(self) -> _Generator:  # nothing to start: the model is in this process
         return self
@@ -310,8 +353,35 @@ class _Generator:
         pass
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], seed: int) -> list[tuple[list[int], str]]:
-        """(answer ids without EOS, "eos" | "length") for each prompt."""
+    def generate(
+        self,
+        prompts: list[list[int]],
+        seed: int,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        max_new_tokens: int | None = None,
+    ) -> list[tuple[list[int], str]]:
+        """(answer ids without EOS, "eos" | "length") for each prompt; temperature, top_p and
+        max_new_tokens override the answer settings (prompt synthesis samples user turns).
+        Prompts are generated in length-sorted groups of batch_size (little padding)."""
+        config = self.config
+        if temperature is not None or top_p is not None or max_new_tokens is not None:
+            config = self._config(
+                self.cfg.temperature if temperature is None else temperature,
+                self.cfg.top_p if top_p is None else top_p,
+                self.cfg.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            )
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        answers: list = [None] * len(prompts)
+        size = self.cfg.batch_size
+        for g, start in enumerate(range(0, len(order), size)):
+            group = order[start : start + size]
+            done = self._batch([prompts[i] for i in group], (seed + g) % 2**31, config)
+            for i, answer in zip(group, done):
+                answers[i] = answer
+        return answers
+
+    def _batch(self, prompts: list[list[int]], seed: int, config) -> list[tuple[list[int], str]]:
         width = max(map(len, prompts))
         device = self.model.device
         ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
@@ -321,7 +391,7 @@ class _Generator:
             mask[i, width - len(p) :] = 1
         torch.manual_seed(seed)
         out = self.model.generate(
-            ids.to(device), attention_mask=mask.to(device), generation_config=self.config
+            ids.to(device), attention_mask=mask.to(device), generation_config=config
         )
         answers = []
         for row in out[:, width:].tolist():
@@ -370,28 +440,24 @@ def distill(
     mine_path = out if world_size == 1 else part_path(out, rank)
     for path in {mine_path, skipped_path(out)}:
         repair_tail(path)
-    done = done_keys(out)
-    items = work_items(cfg)[rank::world_size]
-    todo = [item for item in items if item.key not in done]
-    log.info(
-        "rank %d: %d items, %d already written, %d to go",
-        rank,
-        len(items),
-        len(items) - len(todo),
-        len(todo),
-    )
     eos = eos_token_ids(target)
     if not eos:
         raise ValueError("the target has no EOS token id: answers would never end.")
-    gen = _make_generator(target, cfg, encoder, eos)
-    stats = {"rows": 0, "skipped": 0, "new_tokens": 0, "seconds": 0.0}
-    bar = _progress(len(todo), progress and rank == 0)
-    t0 = time.perf_counter()
-    with gen if todo else contextlib.nullcontext():
-        _generate_all(gen, todo, cfg, meta, (mine_path, skipped_path(out)), stats, bar, t0)
-    if bar is not None:
-        bar.close()
-    stats["tokens_per_s"] = stats["new_tokens"] / stats["seconds"] if stats["seconds"] else 0.0
+    stack = contextlib.ExitStack()
+    started: list = []
+
+    def generator():  # started on first use: nothing to do, no server
+        if not started:
+            started.append(stack.enter_context(_make_generator(target, cfg, encoder, eos)))
+        return started[0]
+
+    with stack:
+        synthesized = {
+            spec.name: synthesize(spec, out, cfg.seed, generator, encoder, rank, world_size,
+                                  barrier)
+            for spec in synthesis_specs(cfg)
+        }
+        stats = _distill_items(cfg, out, meta, synthesized, generator, rank, world_size, progress)
     if barrier is not None:
         barrier()
     if rank == 0:
@@ -401,10 +467,34 @@ def distill(
     return stats
 
 
+def _distill_items(cfg, out, meta, synthesized, generator, rank, world_size, progress) -> dict:
+    mine_path = out if world_size == 1 else part_path(out, rank)
+    done = done_keys(out)
+    items = work_items(cfg, synthesized)[rank::world_size]
+    todo = [item for item in items if item.key not in done]
+    log.info(
+        "rank %d: %d items, %d already written, %d to go",
+        rank,
+        len(items),
+        len(items) - len(todo),
+        len(todo),
+    )
+    stats = {"rows": 0, "skipped": 0, "new_tokens": 0, "seconds": 0.0}
+    bar = _progress(len(todo), progress and rank == 0)
+    t0 = time.perf_counter()
+    if todo:
+        _generate_all(generator(), todo, cfg, meta, (mine_path, skipped_path(out)), stats, bar, t0)
+    if bar is not None:
+        bar.close()
+    stats["tokens_per_s"] = stats["new_tokens"] / stats["seconds"] if stats["seconds"] else 0.0
+    return stats
+
+
 def _generate_all(gen, todo, cfg: DistillConfig, meta: dict, paths, stats: dict, bar, t0) -> None:
     mine_path, skipped_file = paths
     # a server keeps its slots busy only while requests are queued: hand it several per slot
-    step = cfg.batch_size if cfg.backend == "hf" else max(cfg.batch_size, 4 * cfg.parallel)
+    # HF: several batches per chunk, so that each batch holds prompts of similar length
+    step = 4 * cfg.batch_size if cfg.backend == "hf" else max(cfg.batch_size, 4 * cfg.parallel)
     for start in range(0, len(todo), step):
         batch = todo[start : start + step]
         rows, skipped, tokens = _run_batch(gen, batch, cfg, meta)
@@ -429,17 +519,20 @@ def _make_generator(target, cfg: DistillConfig, encoder: ChatEncoder, eos: list[
 
 def _run_batch(gen: _Generator, batch: list[WorkItem], cfg: DistillConfig, meta: dict):
     """All turns of a batch of conversations: (rows, skipped rows, new tokens)."""
-    histories: list[list[dict]] = [[] for _ in batch]
+    histories: list[list[dict]] = [
+        [{"role": "system", "content": item.system}] if item.system else [] for item in batch
+    ]
     finish: list[list[str]] = [[] for _ in batch]
     open_items = set(range(len(batch)))
     reasons: dict[int, str] = {}
     tokens = 0
     for turn in range(max(len(item.turns) for item in batch)):
+        user = _user_turns(gen, batch, histories, open_items, turn, cfg, reasons)
         active, prompts = [], []
         for i in sorted(open_items):
             if turn >= len(batch[i].turns):
                 continue
-            history = histories[i] + [{"role": "user", "content": batch[i].turns[turn]}]
+            history = histories[i] + [{"role": "user", "content": user[i]}]
             ids = gen.encoder.prompt(history)
             if len(ids) > cfg.max_prompt_tokens:
                 open_items.discard(i)  # the conversation ends before this turn
@@ -474,6 +567,30 @@ def _run_batch(gen: _Generator, batch: list[WorkItem], cfg: DistillConfig, meta:
             }
         )
     return rows, skipped, tokens
+
+
+def _user_turns(gen, batch, histories, open_items, turn: int, cfg, reasons) -> dict[int, str]:
+    """This turn's user text per open conversation: given, or (None in the prompt) sampled by
+    the target after the conversation so far; a sampled turn the filters reject ends the
+    conversation before it."""
+    user, ask = {}, []
+    for i in sorted(open_items):
+        if turn < len(batch[i].turns):
+            if batch[i].turns[turn] is None:
+                ask.append(i)
+            else:
+                user[i] = batch[i].turns[turn]
+    for synth in {id(batch[i].synth): batch[i].synth for i in ask}.values():
+        group = [i for i in ask if batch[i].synth is synth]
+        seed = _seed(cfg.seed, [batch[i].key for i in group], turn) ^ 0x5A5A
+        sampled = sample_user_turns(gen, gen.encoder, [histories[i] for i in group], synth, seed)
+        for i, (text, reject) in zip(group, sampled):
+            if reject:
+                open_items.discard(i)
+                reasons[i] = f"turn {turn + 1}: the sampled follow-up was rejected ({reject})"
+            else:
+                user[i] = text
+    return user
 
 
 def _progress(total: int, enabled: bool):

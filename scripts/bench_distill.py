@@ -94,3 +94,7 @@ def _gguf_of(model: str):
     return gguf_for_target(
         target_config(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
     )
+
+
+if __name__ == "__main__":
+    main()

@@ -81,27 +81,31 @@ def test_eos_cuts_the_answer(tiny_llama, monkeypatch):
     prompt = [[5, 6, 7], [8, 9]]
 
     def fake_generate(ids, attention_mask, generation_config):
-        assert ids[1, 0] == gen.pad and attention_mask[1].tolist() == [0, 1, 1]  # left padding
-        new = torch.tensor([[10, 3, 11, 12], [13, 14, 15, 16]])
+        # shortest prompt first (length-sorted batches), left padded
+        assert ids[0, 0] == gen.pad and attention_mask[0].tolist() == [0, 1, 1]
+        assert ids[1].tolist() == [5, 6, 7]
+        new = torch.tensor([[13, 14, 15, 16], [10, 3, 11, 12]])
         return torch.cat([ids, new], dim=1)
 
     monkeypatch.setattr(tiny_llama.model, "generate", fake_generate)
+    # answers come back in the prompts' order
     assert gen.generate(prompt, seed=0) == [([10], "eos"), ([13, 14, 15, 16], "length")]
 
 
 def test_a_killed_run_resumes_without_loss_or_duplicates(tiny_llama, tmp_path, monkeypatch):
     (tmp_path / "whole").mkdir()
-    whole = config(tmp_path / "whole")
+    # batch 1: chunks of 4 conversations (4 batches, length-sorted), so 5 prompts take two
+    whole = config(tmp_path / "whole", batch_size=1)
     distill(tiny_llama, whole, progress=False)
     expected = {r["id"]: r["messages"] for r in rows_of(whole.out)}
 
-    cfg = config(tmp_path)
+    cfg = config(tmp_path, batch_size=1)
     calls = {"n": 0}
     real = _Generator.generate
 
     def dies_on_the_fourth_call(self, prompts, seed):
         calls["n"] += 1
-        if calls["n"] == 4:  # mid-way through the second batch (its second turn)
+        if calls["n"] == 4:  # the second chunk (the first took 3 turns)
             raise KeyboardInterrupt
         return real(self, prompts, seed)
 
@@ -110,11 +114,11 @@ def test_a_killed_run_resumes_without_loss_or_duplicates(tiny_llama, tmp_path, m
         distill(tiny_llama, cfg, progress=False)
     monkeypatch.setattr(_Generator, "generate", real)
     first = rows_of(cfg.out)
-    assert [r["id"] for r in first] == ["prompts/a/0", "prompts/b/0"]  # the first batch only
+    assert [r["id"] for r in first] == [f"prompts/{k}/0" for k in "abcd"]  # the first chunk
     with open(cfg.out, "a") as f:  # and a kill in the middle of writing a line
-        f.write('{"id": "prompts/c/0", "messa')
+        f.write('{"id": "prompts/e/0", "messa')
     stats = distill(tiny_llama, cfg, progress=False)
-    assert stats["rows"] == 3
+    assert stats["rows"] == 1
     rows = rows_of(cfg.out)
     ids = [r["id"] for r in rows]
     assert len(ids) == len(set(ids)) == 5

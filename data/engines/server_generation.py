@@ -89,38 +89,56 @@ class ServerGenerator:
             self.server.stop()
             self.server = None
 
-    def generate(self, prompts: list[list[int]], seed: int) -> list[tuple[list[int], str]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        seed: int,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        max_new_tokens: int | None = None,
+    ) -> list[tuple[list[int], str]]:
+        """(answer ids without EOS, "eos" | "length") per prompt; request i uses seed + i.
+        temperature / top_p / max_new_tokens override the answer settings for this call."""
+        sampling = (
+            self.temperature if temperature is None else temperature,
+            self.top_p if top_p is None else top_p,
+            self.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        )
         seeds = [(seed + i) % 2**31 for i in range(len(prompts))]
         with ThreadPoolExecutor(max_workers=self.cfg.parallel) as pool:
-            return list(pool.map(self._one, prompts, seeds))
+            return list(pool.map(lambda p, s: self._one(p, s, *sampling), prompts, seeds))
 
-    def _one(self, prompt: list[int], seed: int) -> tuple[list[int], str]:
+    def _one(
+        self, prompt: list[int], seed: int, temperature: float, top_p: float, limit: int
+    ) -> tuple[list[int], str]:
         if self.cfg.backend == "llama_cpp":
-            ids = self._llama_cpp(prompt, seed)
+            ids = self._llama_cpp(prompt, seed, temperature, top_p, limit)
         else:
-            ids = self._openai(prompt, seed)
+            ids = self._openai(prompt, seed, temperature, top_p, limit)
         cut = next((j for j, t in enumerate(ids) if t in self.eos), None)
         if cut is not None:
             return ids[:cut], "eos"
-        return ids[: self.max_new_tokens], "length"
+        return ids[:limit], "length"
 
-    def _llama_cpp(self, prompt: list[int], seed: int) -> list[int]:
-        extra = {} if self.temperature == 0 else {"top_p": self.top_p, "top_k": 0, "min_p": 0.0}
-        done = self.server.complete(
-            prompt, self.max_new_tokens, temperature=self.temperature, seed=seed, **extra
-        )
+    def _llama_cpp(
+        self, prompt: list[int], seed: int, temperature: float, top_p: float, limit: int
+    ) -> list[int]:
+        extra = {} if temperature == 0 else {"top_p": top_p, "top_k": 0, "min_p": 0.0}
+        done = self.server.complete(prompt, limit, temperature=temperature, seed=seed, **extra)
         ids = list(done.tokens)
         if done.stop_type == "eos" and not (ids and ids[-1] in self.eos):
             ids.append(min(self.eos))  # the server stopped at EOS without returning it
         return ids
 
-    def _openai(self, prompt: list[int], seed: int) -> list[int]:
+    def _openai(
+        self, prompt: list[int], seed: int, temperature: float, top_p: float, limit: int
+    ) -> list[int]:
         text = self.tok.decode(prompt, skip_special_tokens=False)
         body = {
             "prompt": text,
-            "max_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p if self.temperature > 0 else 1.0,
+            "max_tokens": limit,
+            "temperature": temperature,
+            "top_p": top_p if temperature > 0 else 1.0,
             "seed": seed,
         }
         if self.cfg.model:
