@@ -77,6 +77,30 @@ def crash_in_save(step: int) -> None:
     checkpoint_module.torch.save = save
 
 
+def force_fsdp_on_cpu() -> None:
+    """Let `accelerate launch --config_file conf/accelerate/fsdp.yaml` shard on CPUs.
+
+    Accelerate turns FSDP on only for GPU-like distributed types: with `cpu=True` it quietly
+    runs the FSDP config as DDP over gloo. torch's FSDP2 (`fully_shard`) itself works over gloo,
+    so while the loop builds its Accelerator the process state claims MULTI_GPU (the device
+    stays the CPU); Accelerate then sets up FSDP from the launcher's environment.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    make_accelerator = loop_module._make_accelerator
+
+    def make(cfg):
+        state = PartialState(cpu=True)
+        assert state.distributed_type == DistributedType.MULTI_CPU, state.distributed_type
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+        acc = make_accelerator(cfg)  # leaves both states at FSDP, as on GPUs
+        assert acc.distributed_type == DistributedType.FSDP and acc.device.type == "cpu"
+        return acc
+
+    loop_module._make_accelerator = make
+
+
 def train_once(args, rank: int, run_dir: Path, current: dict, stop_at: int = 0) -> None:
     """One training run into `run_dir`, recording ids, writes and a result summary."""
     current["run_dir"] = run_dir
@@ -139,6 +163,7 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=0)
     parser.add_argument("--stop-at", type=int, default=0)
     parser.add_argument("--crash-in-save", type=int, default=0)
+    parser.add_argument("--force-fsdp-on-cpu", action="store_true", help="see force_fsdp_on_cpu")
     parser.add_argument("--then-straight", help="afterwards, an uninterrupted run in this dir")
     args = parser.parse_args()
 
@@ -146,6 +171,8 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     current: dict = {}
     record_writes(rank, current)
+    if args.force_fsdp_on_cpu:
+        force_fsdp_on_cpu()
     if args.crash_in_save:
         crash_in_save(args.crash_in_save)
     train_once(args, rank, Path(args.run_dir), current, stop_at=args.stop_at)
