@@ -88,6 +88,10 @@ class DataConfig:
     max_length: tokens per conversation; longer ones are cut, and dropped if no answer is left.
     chat_template: "chatml", Jinja text or a template file, for tokenizers without a template.
     val_fraction / split_seed: the held-out share of conversations and the split's seed.
+    val_sources: held-out conversations from files of their own (DataSource entries, as
+        `sources`): validation is then exactly these, whatever the training data (e.g. to
+        compare runs on growing data against one fixed held-out set); val_fraction is not used,
+        and a training conversation equal to a held-out one is dropped from training.
     max_train_examples / max_train_tokens / max_val_examples: keep at most that many training
         conversations, training answer (loss) tokens, validation conversations; 0 or null: all.
     features: "memory" (computed on first read, kept), "disk" (a sharded cache folder, reused
@@ -102,6 +106,7 @@ class DataConfig:
     chat_template: str | None = None
     val_fraction: float = 0.05
     split_seed: int = 0
+    val_sources: list = field(default_factory=list)
     max_train_examples: int | None = None
     max_train_tokens: int | None = None
     max_val_examples: int | None = 64
@@ -112,6 +117,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         self.sources = [_source(s, i) for i, s in enumerate(self.sources or [])]
+        self.val_sources = [_source(s, i) for i, s in enumerate(self.val_sources or [])]
         if not isinstance(self.self_distill, SelfDistillSettings):
             self.self_distill = SelfDistillSettings(**(self.self_distill or {}))
         _check(

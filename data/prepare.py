@@ -46,7 +46,22 @@ def prepare_data(
     sources = [dataclasses.replace(s, path=str(resolve_path(s.path))) for s in sources]
     conversations = load_conversations(sources)
     examples = build_examples(conversations, target.tokenizer, cfg.max_length, cfg.chat_template)
-    train, val = split_examples(examples, cfg.val_fraction, cfg.split_seed)
+    if cfg.val_sources:
+        val = build_examples(
+            load_conversations(
+                [dataclasses.replace(s, path=str(resolve_path(s.path))) for s in cfg.val_sources]
+            ),
+            target.tokenizer,
+            cfg.max_length,
+            cfg.chat_template,
+        )
+        held_out = {tuple(e["input_ids"].tolist()) for e in val}
+        train = [e for e in examples if tuple(e["input_ids"].tolist()) not in held_out]
+        if len(train) < len(examples):
+            log.info("dropped %d training conversations found in data.val_sources",
+                     len(examples) - len(train))  # fmt: skip
+    else:
+        train, val = split_examples(examples, cfg.val_fraction, cfg.split_seed)
     if cfg.max_train_examples:
         train = train[: cfg.max_train_examples]
     if cfg.max_train_tokens:

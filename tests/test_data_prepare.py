@@ -198,3 +198,30 @@ def test_one_encoder_for_training_distillation_and_benchmark(tokenizer):
     assert example["input_ids"][: len(prompt)].tolist() == prompt
     assert example["loss_mask"][: len(prompt)].sum() == len("hi there") + 1  # and <|im_end|>
     assert ChatEncoder(tokenizer, "chatml").prompt(chat[:1]) != encoder.prompt(chat[:1])
+
+
+def test_val_sources_fix_the_held_out_set(tmp_path):
+    """data.val_sources: validation is exactly those conversations, whatever the training
+    data; a training conversation equal to a held-out one is dropped from training."""
+    from data.config import DataConfig
+    from data.prepare import prepare_data
+    from tests.conftest import make_tokenizer
+
+    def conv(i):
+        return {"messages": [{"role": "user", "content": f"q{i}"},
+                             {"role": "assistant", "content": f"answer {i}"}]}  # fmt: skip
+
+    train_file, val_file = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    train_file.write_text("".join(json.dumps(conv(i)) + "\n" for i in range(10)))
+    val_file.write_text("".join(json.dumps(conv(i)) + "\n" for i in (3, 20, 21)))
+
+    class Target:
+        tokenizer = make_tokenizer()
+
+    cfg = DataConfig(sources=[str(train_file)], val_sources=[str(val_file)], max_val_examples=0)
+    data = prepare_data(cfg, Target())
+    assert len(data.val) == 3 and len(data.train) == 9  # q3 is held out, not trained on
+    tok = Target.tokenizer
+    texts = [tok.decode(e["input_ids"]) for e in data.val]
+    assert ["q3" in texts[0], "q20" in texts[1], "q21" in texts[2]] == [True] * 3
+    assert not any("q3<" in tok.decode(e["input_ids"]) for e in data.train)

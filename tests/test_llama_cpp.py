@@ -250,6 +250,41 @@ def test_server_stops_on_exception(tiny_setup):
         server.post("/health", {}, timeout_s=2)
 
 
+def test_server_dies_with_a_killed_parent(tiny_setup, tmp_path):
+    """A Python process killed outright (SIGKILL: no atexit, no finally) takes its llama-server
+    with it instead of leaving it holding the CPU."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    _, _, _, target_file, _ = tiny_setup
+    script = (
+        "import sys, time\n"
+        "from data.engines.llama_cpp import LlamaServer, ServerConfig\n"
+        f"s = LlamaServer(ServerConfig(model={str(target_file)!r})).start()\n"
+        "print(s.proc.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    server_pid = int(parent.stdout.readline())
+    os.kill(server_pid, 0)  # running
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    for _ in range(100):
+        try:  # gone, or a zombie waiting for init to reap it
+            if Path(f"/proc/{server_pid}/stat").read_text().split(") ")[1][0] == "Z":
+                break
+        except (FileNotFoundError, ProcessLookupError):
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(server_pid, signal.SIGKILL)
+        raise AssertionError("llama-server outlived its killed parent")
+
+
 # ---- self-distillation through a server ------------------------------------------------------
 
 

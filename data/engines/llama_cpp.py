@@ -220,6 +220,18 @@ def _stop_all() -> None:
 atexit.register(_stop_all)
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: on Linux, ask for SIGTERM when the parent dies, so a server is
+    not left running (and holding the CPU) after its Python process is killed outright."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
 class LlamaServer:
     """A llama-server process on a free loopback port; a context manager. Stopped on exit,
     on Ctrl-C, and at interpreter exit; its log is kept in a temporary file and quoted in
@@ -242,7 +254,11 @@ class LlamaServer:
         )
         cmd = [str(binary), *self.config.args(self.port)]
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True
+            cmd,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         _LIVE.add(self)
         try:
