@@ -4,6 +4,12 @@ An example is ``{"input_ids": LongTensor[T], "loss_mask": LongTensor[T]}`` plus,
 are cached, ``"hidden": Tensor[T, H]`` and/or ``"aux": Tensor[T, k*H]``. ``collate`` turns a list
 of examples into a right-padded batch (see the interfaces: input_ids / attention_mask /
 loss_mask ``[B, T]``, features ``[B, T, ...]``).
+
+Packing (``trainer.pack_tokens``): ``pack_examples`` concatenates the examples of a micro-batch
+into rows of at most N tokens, each row carrying ``position_ids`` (restarting at 0 per
+conversation) and ``segment_ids`` (1, 2, ... per conversation; collate pads both with 0). The
+heads read those two keys to keep attention, positions and labels inside each conversation
+(heads/base.py), so a packed batch gives the same loss as the padded one, with no padding.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +32,7 @@ log = logging.getLogger(__name__)
 Example = dict[str, torch.Tensor]
 SEQUENCE_KEYS = ("input_ids", "loss_mask")
 FEATURE_KEYS = ("hidden", "aux")
+PACK_KEYS = ("position_ids", "segment_ids")
 
 
 @dataclass
@@ -150,7 +157,8 @@ def collate(examples: Sequence[Example], pad_id: int = 0) -> dict[str, torch.Ten
     """Right-pad a list of examples into a batch.
 
     Returns input_ids / attention_mask / loss_mask ``[B, T]`` (pads: ``pad_id``, 0, 0) and each
-    feature key present in the examples padded with zeros to ``[B, T, ...]``."""
+    feature key (and packed rows' position_ids / segment_ids) present in the examples padded
+    with zeros to ``[B, T, ...]``."""
     if not examples:
         raise ValueError("collate got an empty list of examples")
     lengths = [len(e["input_ids"]) for e in examples]
@@ -163,7 +171,7 @@ def collate(examples: Sequence[Example], pad_id: int = 0) -> dict[str, torch.Ten
         attention_mask[b, :length] = 1
         loss_mask[b, :length] = example["loss_mask"]
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
-    for key in FEATURE_KEYS:
+    for key in FEATURE_KEYS + PACK_KEYS:
         present = [key in e for e in examples]
         if not any(present):
             continue
@@ -175,6 +183,47 @@ def collate(examples: Sequence[Example], pad_id: int = 0) -> dict[str, torch.Ten
             padded[b, :length] = example[key]
         batch[key] = padded
     return batch
+
+
+def pack_examples(examples: Sequence[Example], row_tokens: int) -> list[Example]:
+    """Concatenate examples into rows of at most ``row_tokens`` tokens (first-fit decreasing,
+    so rows are nearly full); an example longer than ``row_tokens`` gets a row of its own.
+
+    Each row holds every key of its examples concatenated along time, plus ``position_ids``
+    ``[T]`` (0, 1, ... within each example) and ``segment_ids`` ``[T]`` (1, 2, ... by example).
+    Deterministic: the same examples in the same order give the same rows."""
+    if row_tokens < 1:
+        raise ValueError(f"pack_examples: row_tokens={row_tokens}; use 1 or more")
+    lengths = [len(e["input_ids"]) for e in examples]
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(examples)), key=lambda i: -lengths[i]):  # stable: ties keep order
+        fits = next((r for r, left in enumerate(room) if lengths[i] <= left), None)
+        if fits is None:
+            rows.append([i])
+            room.append(row_tokens - lengths[i])
+        else:
+            rows[fits].append(i)
+            room[fits] -= lengths[i]
+    return [_concat([examples[i] for i in row]) for row in rows]
+
+
+def _concat(examples: Sequence[Example]) -> Example:
+    """One packed row from whole examples (see pack_examples)."""
+    keys = [k for k in SEQUENCE_KEYS + FEATURE_KEYS if k in examples[0]]  # what collate reads
+    row = {k: torch.cat([e[k] for e in examples]) for k in keys}
+    lengths = [len(e["input_ids"]) for e in examples]
+    row["position_ids"] = torch.cat([torch.arange(n) for n in lengths])
+    row["segment_ids"] = torch.cat([torch.full((n,), s + 1) for s, n in enumerate(lengths)])
+    return row
+
+
+def packed_collate(
+    collate_fn: Callable[[list], dict], row_tokens: int, examples: Sequence[Example]
+) -> dict[str, torch.Tensor]:
+    """``collate_fn`` over packed rows: bind the first two arguments with functools.partial to
+    get a collate function (picklable, for DataLoader workers)."""
+    return collate_fn(pack_examples(examples, row_tokens))
 
 
 class ExampleDataset(torch.utils.data.Dataset):

@@ -48,7 +48,16 @@ CACHE_FORMAT_VERSION = 1
 INDEX_FILE = "index.json"
 DTYPES = ("float16", "bfloat16", "float32", "int8")
 # What makes a shard reusable; "target" (the name) is informational, the fingerprint decides.
-SHARD_KEYS = ("format_version", "fingerprint", "layers", "dtype", "first", "last", "examples_sha1")
+SHARD_KEYS = (
+    "format_version",
+    "fingerprint",
+    "layers",
+    "dtype",
+    "autocast",
+    "first",
+    "last",
+    "examples_sha1",
+)
 
 
 def shard_file(shard: int) -> str:
@@ -78,12 +87,18 @@ def examples_sha1(examples: Sequence[Example]) -> str:
 
 
 def default_cache_dir(
-    fingerprint: str, layers: Sequence[int] | None, dtype: str, data_sha1: str
+    fingerprint: str,
+    layers: Sequence[int] | None,
+    dtype: str,
+    data_sha1: str,
+    autocast: str | None = None,
 ) -> Path:
-    """``${DRAFTSMITH_CACHE:-~/.cache/draftsmith}/features/<fp>-<layers or last>-<dtype>-<sha1>``:
-    a folder per target, layer set, dtype and data, so a change never reuses stale features."""
+    """``${DRAFTSMITH_CACHE:-~/.cache/draftsmith}/features/<fp>-<layers or last>-<dtype>-<sha1>``
+    (``<dtype>`` gets ``+<autocast>`` when the target ran under autocast): a folder per target,
+    layer set, dtype, autocast and data, so a change never reuses stale features."""
     root = cache_root()
     tag = "_".join(str(i) for i in layers) if layers else "last"
+    dtype = f"{dtype}+{autocast}" if autocast else dtype
     return root / "features" / f"{fingerprint[:12]}-{tag}-{dtype}-{data_sha1[:12]}"
 
 
@@ -198,6 +213,7 @@ def build_feature_cache(
     barrier: Callable[[], None] | None = None,
     progress: bool = True,
     batch_tokens: int = 4096,
+    autocast: str | None = None,
 ) -> dict | None:
     """Compute and write every missing shard of this rank, then the index; returns the index.
 
@@ -210,6 +226,9 @@ def build_feature_cache(
     rank returns it. The shards must be on a filesystem all ranks see. Without a barrier, the
     call that finds every shard on disk writes the index; a call that does not (another rank's
     shards are still missing) returns None.
+
+    autocast: run the target under ``torch.autocast`` in this dtype ("bfloat16"); recorded in
+    the metadata (caches built without it record nothing and read as None).
     """
     _check_build_args(dtype, examples_per_shard, rank, world_size)
     cache_dir = str(cache_dir)
@@ -221,6 +240,7 @@ def build_feature_cache(
         "format_version": CACHE_FORMAT_VERSION,
         **feature_meta(target, layers),
         "dtype": dtype,
+        **({"autocast": autocast} if autocast else {}),
     }
     metas = [
         _shard_meta(base, examples, digests, first, min(first + examples_per_shard, len(examples)))
@@ -233,7 +253,7 @@ def build_feature_cache(
         if have is None:
             todo.append(s)
         else:
-            _check_meta(have, metas[s], SHARD_KEYS, path, cache_dir)
+            _check_meta(have, {"autocast": None, **metas[s]}, SHARD_KEYS, path, cache_dir)
     mine = len(range(rank, len(metas), world_size))
     log.info("feature cache %s, rank %d: %d of %d shards to do", cache_dir, rank, len(todo), mine)
     _write_shards(examples, target, cache_dir, metas, todo, batch_tokens, progress)
@@ -279,6 +299,7 @@ def _write_shards(examples, target, cache_dir, metas, todo, batch_tokens, progre
                 batch_tokens=batch_tokens,
                 dtype=compute_dtype,
                 progress=False,
+                autocast=meta.get("autocast"),
             )
         except FeatureRangeError as err:
             raise FeatureRangeError(f"feature cache {cache_dir}, shard {s}: {err}") from None
@@ -477,6 +498,7 @@ def open_or_build_feature_cache(
     progress: bool = True,
     batch_tokens: int = 4096,
     dequantize_to: torch.dtype = torch.float16,
+    autocast: str | None = None,
 ) -> FeatureCacheDataset:
     """Build whatever the cache in ``cache_dir`` lacks, then open it (see build_feature_cache).
 
@@ -501,6 +523,7 @@ def open_or_build_feature_cache(
             barrier,
             progress,
             batch_tokens,
+            autocast,
         )
-    expected = {**feature_meta(target, layers), "dtype": dtype}
+    expected = {**feature_meta(target, layers), "dtype": dtype, "autocast": autocast}
     return FeatureCacheDataset(cache_dir, examples, expected, dequantize_to)

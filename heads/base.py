@@ -357,6 +357,43 @@ def masked_shift(mask: Tensor, shift: int) -> Tensor:
     return out
 
 
+# ---- packed rows ----------------------------------------------------------------------------
+# A packed batch (data/dataset.py `pack_examples`, `trainer.pack_tokens`) holds several
+# conversations per row and carries `segment_ids` (B, T) (1, 2, ... per conversation, 0 on
+# padding) and `position_ids` (B, T) (restarting at 0 in each conversation). A padded batch has
+# neither, and these helpers then give exactly what the heads computed before packing existed.
+
+
+def label_mask(batch: dict[str, Tensor], shift: int) -> Tensor:
+    """(B, T) bool: position t has an assistant label `shift` tokens ahead *in its own
+    conversation* (`loss_mask[t + shift]`, and in a packed row the same segment as t)."""
+    valid = masked_shift(batch["loss_mask"], shift).bool()
+    segments = batch.get("segment_ids")
+    if segments is not None:
+        valid &= masked_shift(segments, shift) == segments
+    return valid
+
+
+def batch_positions(batch: dict[str, Tensor], length: int) -> Tensor:
+    """(B, length) position ids of the first `length` tokens: the batch's own (restarting per
+    conversation in packed rows) or 0, 1, ... for padded rows."""
+    ids = batch["input_ids"]
+    if "position_ids" in batch:
+        return batch["position_ids"][:, :length]
+    return torch.arange(length, device=ids.device).expand(ids.shape[0], length)
+
+
+def segment_causal_mask(segments: Tensor | None) -> Tensor | None:
+    """(B, 1, T, T) bool: row t may attend to s <= t of its own conversation (block-diagonal
+    causal); None for a padded batch (plain causal attention)."""
+    if segments is None:
+        return None
+    T = segments.shape[1]
+    rows = torch.arange(T, device=segments.device)
+    causal = rows[None, :] <= rows[:, None]  # (T, T)
+    return (causal & (segments[:, :, None] == segments[:, None, :]))[:, None]
+
+
 def stat_pair(value, count, device) -> Tensor:
     """A `[sum, count]` statistic (see LossOutput)."""
     value = torch.as_tensor(value, dtype=torch.float32, device=device).reshape(())

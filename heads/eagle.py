@@ -34,7 +34,9 @@ from heads.base import (
     FeatureDrafter,
     LossOutput,
     TargetInfo,
-    masked_shift,
+    batch_positions,
+    label_mask,
+    segment_causal_mask,
     stat_pair,
     warm_start,
 )
@@ -177,7 +179,12 @@ class EagleHead(nn.Module):
     # ---- training ------------------------------------------------------------------------
 
     def loss(self, batch: dict[str, Tensor], features: dict[str, Tensor]) -> LossOutput:
-        """Feature regression + weighted soft CE, teacher-forced in one causal pass."""
+        """Feature regression + weighted soft CE, teacher-forced in one causal pass.
+
+        Packed rows (`segment_ids` in the batch): row t attends only to rows of its own
+        conversation, positions restart per conversation, and a row counts only when its label
+        x_{t+2} is in its conversation.
+        """
         dtype = self.fc.weight.dtype
         feats = features["hidden"].to(self.fc.weight.device, dtype)  # (B, T, H)
         ids = batch["input_ids"]
@@ -185,9 +192,11 @@ class EagleHead(nn.Module):
         inputs = feats[:, :-1]  # f_t, t = 0 .. T-2
         if self.training and self.config.feature_noise > 0:
             inputs = inputs + (torch.rand_like(inputs) - 0.5) * self.config.feature_noise
-        positions = torch.arange(T - 1, device=ids.device).expand(B, T - 1)
-        pred = self.draft_hidden(ids[:, 1:], inputs, positions, DraftCache())  # (B, T-1, H)
-        valid = masked_shift(batch["loss_mask"], 2)[:, : T - 1].bool()  # label x_{t+2}
+        positions = batch_positions(batch, T - 1)  # (B, T-1)
+        segments = batch.get("segment_ids")
+        attn = segment_causal_mask(None if segments is None else segments[:, :-1])
+        pred = self.draft_hidden(ids[:, 1:], inputs, positions, DraftCache(), attn)  # (B, T-1, H)
+        valid = label_mask(batch, 2)[:, : T - 1]  # label x_{t+2}
         pred, want = pred[valid], feats[:, 1:][valid]  # (N, H) each
         n, device = pred.shape[0], pred.device
         feat = F.smooth_l1_loss(pred, want, reduction="none").mean(-1)  # (N,)

@@ -39,7 +39,10 @@ from heads.base import (
     FeatureDrafter,
     LossOutput,
     TargetInfo,
+    batch_positions,
+    label_mask,
     masked_shift,
+    segment_causal_mask,
     stat_pair,
     warm_start,
 )
@@ -81,16 +84,24 @@ def default_aux_layers(num_layers: int) -> list[int]:
     return [min(2, top), min(num_layers // 2, top), max(num_layers - 3, 0)]
 
 
-def ttt_attention_mask(length: int, step: int, device=None) -> Tensor:
-    """Which keys row t may attend to at unroll step `step`: `[T, (step + 1) * T]` bool.
+def ttt_attention_mask(
+    length: int, step: int, device=None, segments: Tensor | None = None
+) -> Tensor:
+    """Which keys row t may attend to at unroll step `step`: `[T, (step + 1) * T]` bool, or
+    `[B, 1, T, (step + 1) * T]` for packed rows (`segments` (B, T), see heads/base.py).
 
     Keys are laid out step by step, T per step (the DraftCache order). Row t sees the step-0
-    keys of rows <= t and the step-j key of row t for j = 1..step.
+    keys of rows <= t (of its own conversation, in a packed row) and the step-j key of row t
+    for j = 1..step.
     """
     rows = torch.arange(length, device=device)
     causal = rows[None, :] <= rows[:, None]  # (T, T)
     diagonal = torch.eye(length, dtype=torch.bool, device=device)
-    return torch.cat([causal] + [diagonal] * step, dim=1)
+    if segments is None:
+        return torch.cat([causal] + [diagonal] * step, dim=1)
+    prefix = segment_causal_mask(segments)  # (B, 1, T, T)
+    own = diagonal.expand(*prefix.shape[:2], length, length)
+    return torch.cat([prefix] + [own] * step, dim=-1)
 
 
 class Eagle3Head(nn.Module):
@@ -247,25 +258,30 @@ class Eagle3Head(nn.Module):
         return logits.softmax(-1), index, usable_bt
 
     def loss(self, batch: dict[str, Tensor], features: dict[str, Tensor]) -> LossOutput:
-        """Training-time test: `ttt_steps` unrolled steps, decayed soft CE per step."""
-        ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+        """Training-time test: `ttt_steps` unrolled steps, decayed soft CE per step.
+
+        Packed rows (`segment_ids` in the batch): the step-0 prefix a row sees, its positions
+        and its labels all stay inside its own conversation (heads/base.py `label_mask`).
+        """
+        ids = batch["input_ids"]
         B, T = ids.shape
         device = self.fc.weight.device
-        probs, index, usable = self.soft_targets(
-            features["hidden"].to(device), masked_shift(loss_mask, 1).bool()
-        )
+        labelled = label_mask(batch, 1)  # rows t whose next token x_{t+1} is a label
+        probs, index, usable = self.soft_targets(features["hidden"].to(device), labelled)
         hidden = self.target_hidden(features)  # (B, T, H)
         cache = DraftCache()
-        rows = torch.arange(T, device=device)
+        positions = batch_positions(batch, T)  # (B, T)
+        segments = batch.get("segment_ids")
         total = hidden.sum() * 0.0  # keeps every parameter in the graph (DDP) if nothing counts
         stats: dict[str, Tensor] = {}
         k = min(self.config.topk, self.draft_vocab_size)
         for i in range(self.config.ttt_steps):
             tokens = shift_left(ids, i + 1)  # row t: x_{t+i+1}
-            mask = ttt_attention_mask(T, i, device)[None, None]
-            hidden = self.draft_hidden(tokens, hidden, (rows + i).expand(B, T), cache, mask)
+            mask = ttt_attention_mask(T, i, device, segments)
+            mask = mask if segments is not None else mask[None, None]
+            hidden = self.draft_hidden(tokens, hidden, positions + i, cache, mask)
             # row t predicts x_{t+i+2}: the target's distribution at position t+i+1
-            valid = masked_shift(loss_mask, i + 2).bool() & shift_left(usable, i + 1)
+            valid = label_mask(batch, i + 2) & shift_left(usable, i + 1)
             want = probs[shift_left(index, i + 1)[valid]]  # (N, D)
             logits = self.logits(hidden[valid]).float()  # (N, D)
             ce = -(want * logits.log_softmax(-1)).sum(-1)  # (N,)

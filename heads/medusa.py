@@ -24,7 +24,7 @@ from heads.base import (
     LossOutput,
     ParallelDrafter,
     TargetInfo,
-    masked_shift,
+    label_mask,
     stat_pair,
     warm_start,
 )
@@ -162,21 +162,24 @@ class MedusaHeads(nn.Module):
         Hard targets: CE against the data's token t+k+2. Soft targets (`soft_targets`): CE
         against the target's own distribution for that token given the same prefix,
         softmax(lm_head(h_{t+k+1})) over the draft vocabulary, i.e. distillation of exactly what
-        verification will check.
+        verification will check. In packed rows a label must lie in the position's own
+        conversation (`label_mask`).
         """
         hidden = features["hidden"].to(self.d2t.device).float()  # (B, T, H)
         total = hidden.new_zeros(())
         stats: dict[str, Tensor] = {}
         for k in range(self.config.num_heads):
-            loss_k, stats_k = self._head_loss(k, hidden, batch["input_ids"], batch["loss_mask"])
+            valid = label_mask(batch, k + 2)  # (B, T): label x_{t+k+2} in the conversation
+            loss_k, stats_k = self._head_loss(k, hidden, batch["input_ids"], valid)
             total = total + self.config.decay**k * loss_k
             stats.update(stats_k)
         stats["loss"] = stat_pair(total.detach(), 1, hidden.device)
         return LossOutput(total, stats)
 
-    def _head_loss(self, k: int, hidden: Tensor, ids: Tensor, mask: Tensor):
+    def _head_loss(self, k: int, hidden: Tensor, ids: Tensor, valid: Tensor):
+        """valid (B, T): positions whose label t + k + 2 is an assistant token of their own
+        conversation."""
         shift, T, dev = k + 2, ids.shape[1], hidden.device
-        valid = masked_shift(mask, shift).bool()  # (B, T): label at t + shift is assistant
         labels = torch.zeros_like(ids)
         labels[:, : T - shift] = ids[:, shift:]
         draft_labels = self.target_to_draft(labels[valid])  # (N,), -1 outside the draft vocab

@@ -38,7 +38,8 @@ from heads.base import (
     LossOutput,
     ParallelDrafter,
     TargetInfo,
-    masked_shift,
+    label_mask,
+    segment_causal_mask,
     stat_pair,
     warm_start,
 )
@@ -150,12 +151,18 @@ class Medusa2Head(nn.Module):
         return self.adapted.get_base_model().base_model  # the decoder stack, without lm_head
 
     def loss(self, batch: dict[str, Tensor], features: dict[str, Tensor]) -> LossOutput:
-        ids, mask = batch["input_ids"], batch["loss_mask"]
-        attn = batch.get("attention_mask", torch.ones_like(ids))
+        ids = batch["input_ids"]
+        # packed rows: a block-diagonal causal 4-D mask and positions restarting per conversation
+        packed = segment_causal_mask(batch.get("segment_ids"))
+        inputs = dict(input_ids=ids, use_cache=False)
+        if packed is None:
+            inputs["attention_mask"] = batch.get("attention_mask", torch.ones_like(ids))
+        else:
+            inputs.update(attention_mask=packed, position_ids=batch["position_ids"])
         backbone = self._backbone()
-        hidden = backbone(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+        hidden = backbone(**inputs).last_hidden_state
         heads = self.medusa.loss(batch, {"hidden": hidden})
-        valid = masked_shift(mask, 1).bool()  # position t: x_{t+1} is an assistant token
+        valid = label_mask(batch, 1)  # position t: x_{t+1} is an assistant token
         n = int(valid.sum())
         stats = dict(heads.stats)
         quality = hidden.new_zeros(())
@@ -164,7 +171,7 @@ class Medusa2Head(nn.Module):
             logp = lm_head(hidden[valid]).float().log_softmax(-1)  # (N, V)
             if self.config.quality == "kl":
                 with torch.no_grad(), self.adapted.disable_adapter():
-                    ref = backbone(input_ids=ids, attention_mask=attn, use_cache=False)
+                    ref = backbone(**inputs)
                     ref_logp = lm_head(ref.last_hidden_state[valid]).float().log_softmax(-1)
                 per_pos = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
                 agree = (logp.argmax(-1) == ref_logp.argmax(-1)).sum()

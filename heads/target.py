@@ -103,13 +103,18 @@ class Target:
 
     @torch.no_grad()
     def features(
-        self, input_ids: Tensor, attention_mask: Tensor, layers: Sequence[int] | None = None
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        layers: Sequence[int] | None = None,
+        position_ids: Tensor | None = None,
     ) -> dict[str, Tensor]:
         """Target features without the vocabulary projection.
 
         Returns {"hidden": (B, T, H) last hidden state after the final norm, i.e. what lm_head
         sees} and, when `layers` is given, {"aux": (B, T, len(layers) * H)}, the concatenated HF
         `hidden_states[i]` (residual stream; index num_layers would be post-norm and is refused).
+        Packed rows pass a 4-D bool `attention_mask` (B, 1, T, T) and their `position_ids`.
         """
         if layers is not None and any(i < 0 or i >= self.num_layers for i in layers):
             raise ValueError(
@@ -119,6 +124,7 @@ class Target:
         out = self.model.base_model(
             input_ids=input_ids,
             attention_mask=attention_mask,
+            position_ids=position_ids,
             output_hidden_states=layers is not None,
             use_cache=False,
         )

@@ -36,6 +36,11 @@ class TrainerConfig:
     batch_size: int = 8  # per process
     eval_batch_size: int | None = None  # per process; None = batch_size
     grad_accum: int = 1
+    # Pack each micro-batch's conversations into rows of at most this many tokens, with no
+    # padding (attention, positions and labels stay inside each conversation; the loss is the
+    # padded batch's). The batch is still `batch_size` conversations, so the data order and
+    # resume are unchanged. None or 0: right-padded rows, one conversation each.
+    pack_tokens: int | None = None
     max_grad_norm: float = 1.0  # 0 disables clipping
     mixed_precision: str = "auto"  # no | bf16 | fp16 | auto (bf16 where CUDA supports it)
     eval_every: int = 0
@@ -81,6 +86,10 @@ class TrainerConfig:
         )
         for name in ("batch_size", "grad_accum"):
             _check(getattr(self, name) >= 1, f"{name}={getattr(self, name)}: use 1 or more.")
+        _check(
+            self.pack_tokens is None or self.pack_tokens >= 0,
+            f"pack_tokens={self.pack_tokens}: use a row length in tokens (e.g. 2048), or null.",
+        )
         _check(
             self.eval_batch_size is None or self.eval_batch_size >= 1,
             f"eval_batch_size={self.eval_batch_size}: use 1 or more, or null for batch_size.",

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from heads.base import segment_causal_mask
+
 FEATURE_KEYS = ("hidden", "aux")
 
 
@@ -35,5 +37,10 @@ def batch_features(
             "the batch has no cached 'hidden'/'aux' features and no target was given: pass "
             "target=... (online features) or train on a feature cache (offline)."
         )
+    packed = segment_causal_mask(batch.get("segment_ids"))  # packed rows: block-diagonal
     with torch.no_grad():
-        return target.features(batch["input_ids"], batch["attention_mask"], layers=layers)
+        if packed is None:
+            return target.features(batch["input_ids"], batch["attention_mask"], layers=layers)
+        return target.features(
+            batch["input_ids"], packed, layers=layers, position_ids=batch["position_ids"]
+        )

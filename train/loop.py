@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
+from data.dataset import packed_collate
 from data.errors import NonFiniteError
 from heads.base import atomic_save_dir, check_finite
 from train.checkpoint import (
@@ -146,14 +148,17 @@ class Trainer:
         self.cfg, self.run_dir, self.callbacks = cfg, Path(run_dir), list(callbacks)
         self.evaluators = list(evaluators)
         self.run_config = run_config
-        self.record = run_record(run_config, cfg, data_sha1)
+        self.record = _run_record(run_config, cfg, data_sha1)
         self.acc = acc = _make_accelerator(cfg)
         self.best = BestKeeper(run_dir, cfg.best_metric, cfg.best_mode, acc.is_main_process)
         set_seed(cfg.seed, device_specific=True)  # seed + process index
         self.head, self.target, self.layers = head, target, head.feature_layers()
         self.train_dataset = train_dataset
         self.val_dataset = val_dataset
-        self.collate_fn = collate_fn
+        self.collate_fn = collate_fn  # validation always reads padded batches
+        self.train_collate = (
+            partial(packed_collate, collate_fn, cfg.pack_tokens) if cfg.pack_tokens else collate_fn
+        )
         if target is not None:
             _place_target(target, acc.device)
         self.global_batch = cfg.batch_size * acc.num_processes
@@ -299,7 +304,7 @@ class Trainer:
             loader = make_loader(
                 self.train_dataset,
                 batches[state.batch_in_epoch :],
-                self.collate_fn,
+                self.train_collate,
                 cfg.num_workers,
                 seed=cfg.seed + state.epoch,
             )
@@ -504,6 +509,15 @@ def train(
         data_sha1=data_sha1,
     )
     return trainer.fit()
+
+
+def _run_record(config: dict | None, cfg: TrainerConfig, data_sha1: str | None) -> dict:
+    """What a checkpoint records (train/resume.py), without `pack_tokens`: packing changes
+    neither the data order nor the loss, so a run may resume with it switched on or off, and
+    checkpoints written before the setting existed still match."""
+    record = run_record(config, cfg, data_sha1)
+    record["config"]["trainer"].pop("pack_tokens", None)
+    return record
 
 
 def _make_accelerator(cfg: TrainerConfig) -> Accelerator:
