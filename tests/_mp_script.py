@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
 from tests._dummy_head import DummyHead, collate_with_ids, make_examples, make_target  # noqa: E402
 from train import checkpoint as checkpoint_module  # noqa: E402
 from train import loop as loop_module  # noqa: E402
+from train.checkpoint import gathered_weights  # noqa: E402
 from train.config import TrainerConfig  # noqa: E402
 from train.loop import Trainer  # noqa: E402
 
@@ -43,10 +44,12 @@ def datasets(num_train: int, num_val: int) -> tuple[list[dict], list[dict]]:
 
 
 def weights_digest(module: torch.nn.Module) -> str:
+    """sha256 of the full weights (under FSDP gathered from every process: all must call it)."""
     h = hashlib.sha256()
-    for name, tensor in sorted(module.state_dict().items()):
-        h.update(name.encode())
-        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    with gathered_weights(module):
+        for name, tensor in sorted(module.state_dict().items()):
+            h.update(name.encode())
+            h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -92,8 +95,9 @@ def force_fsdp_on_cpu() -> None:
 
     def make(cfg):
         state = PartialState(cpu=True)
-        assert state.distributed_type == DistributedType.MULTI_CPU, state.distributed_type
-        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+        if state.distributed_type != DistributedType.FSDP:  # a second run finds it so already
+            assert state.distributed_type == DistributedType.MULTI_CPU, state.distributed_type
+            PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
         acc = make_accelerator(cfg)  # leaves both states at FSDP, as on GPUs
         assert acc.distributed_type == DistributedType.FSDP and acc.device.type == "cpu"
         return acc

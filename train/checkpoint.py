@@ -10,6 +10,12 @@ A checkpoint is the folder `<run_dir>/checkpoints/step_<N>/`:
     run.json             the settings and data fingerprint the run had (train/resume.py)
     manifest.json        size and sha256 of each file above (written last)
 
+Under FSDP2 the head's parameters and optimizer moments are DTensor shards; a checkpoint always
+holds full tensors. The optimizer state is then keyed by parameter name (torch.distributed
+.checkpoint's full state dict, `full_optimizer_state`) instead of by position, and
+`load_optimizer_state` reads either form; `gathered_weights` lends code that runs the head
+outside its FSDP forward (validation, evaluators, saving) a full copy of its weights.
+
 The folder is filled under a temporary name in the same parent, fsynced and renamed into place
 in one step, so a crash mid-write leaves only a dot-prefixed temporary folder, which
 `list_checkpoints` never returns (and the next successful save deletes). A folder damaged after
@@ -27,6 +33,8 @@ import pickle
 import random
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +44,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim import Optimizer
 
 from data.errors import DraftsmithError
 from heads.base import atomic_save_dir, check_finite
@@ -231,7 +246,66 @@ def load_head_state(params: dict[str, nn.Parameter], tensors: dict[str, Tensor],
         )
     with torch.no_grad():
         for name, param in params.items():
-            param.copy_(tensors[name])
+            full = tensors[name].to(param.device, param.dtype)
+            if isinstance(param, DTensor):  # FSDP2: keep this process's shard (no collective)
+                full = distribute_tensor(
+                    full, param.device_mesh, param.placements, src_data_rank=None
+                )
+            param.copy_(full)
+
+
+@contextmanager
+def gathered_weights(module: nn.Module) -> Iterator[nn.Module]:
+    """`module` with each DTensor-sharded parameter (FSDP2) swapped for a full plain copy, for
+    code that runs it outside its FSDP forward (validation, evaluators, saving); the shards are
+    put back on exit. Collective when something is sharded: every process must enter it, and
+    every process then holds the whole module. Without shards it yields `module` as it is."""
+    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    try:
+        with torch.no_grad():
+            for sub in module.modules():
+                for name, param in list(sub._parameters.items()):
+                    if isinstance(param, DTensor):
+                        full = nn.Parameter(param.full_tensor(), param.requires_grad)
+                        swapped.append((sub, name, param))
+                        sub._parameters[name] = full  # not setattr: no hooks, no re-registration
+        yield module
+    finally:
+        for sub, name, param in swapped:
+            sub._parameters[name] = param
+
+
+_FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_optimizer_state(model: nn.Module, optimizer: Optimizer, sharded: bool) -> dict:
+    """The optimizer state to checkpoint. `sharded` (FSDP): the full state, keyed by parameter
+    name, gathered collectively (every process must call this) and returned on rank 0 only
+    (the others get {}); otherwise `optimizer.state_dict()` as it is."""
+    if not sharded:
+        return optimizer.state_dict()
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+    return get_optimizer_state_dict(model, inner, options=_FULL_ON_CPU)
+
+
+def load_optimizer_state(model: nn.Module, optimizer: Optimizer, state: dict) -> None:
+    """Load a checkpoint's optimizer state: a full, name-keyed one (written under FSDP) is
+    spread over `model`'s parameters by torch.distributed.checkpoint (each process keeps its
+    shard, with or without FSDP now); a positional one goes to `optimizer.load_state_dict`."""
+    groups = state.get("param_groups") or []
+    if not any(isinstance(p, str) for group in groups for p in group["params"]):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if any(isinstance(p, DTensor) for p in params):
+            raise CheckpointError(
+                "this checkpoint's optimizer state was written without FSDP (keyed by position) "
+                "and cannot be spread over FSDP shards: resume it without FSDP, or start over "
+                "with trainer.resume=never."
+            )
+        optimizer.load_state_dict(state)
+        return
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+    options = StateDictOptions(full_state_dict=True)
+    set_optimizer_state_dict(model, inner, state, options=options)
 
 
 def remap_position(state: TrainState, global_batch: int) -> TrainState:

@@ -10,6 +10,11 @@ exactly from its latest checkpoint (weights, optimizer, scheduler, RNG and data 
 killed and resumed run ends with the same weights as an uninterrupted one. Resume trusts only
 an intact checkpoint of the same run (train/resume.py). A non-finite loss or gradient stops the
 run at once (NonFiniteError), and a head holding inf/NaN is never written.
+
+Under FSDP (version 2) the head's parameters are DTensor shards between steps. Checkpoints
+gather the full weights and optimizer state collectively and write them from rank 0 (so they
+hold the same full tensors as without FSDP); validation, evaluators and head saving run on a
+full copy of the head that every process gathers for the purpose (`gathered_weights`).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator, DistributedDataParallelKwargs
-from accelerate.utils import broadcast_object_list, gather_object, set_seed
+from accelerate.utils import DistributedType, broadcast_object_list, gather_object, set_seed
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
@@ -38,8 +43,11 @@ from train.checkpoint import (
     TrainState,
     capture_rng_state,
     checkpoint_root,
+    full_optimizer_state,
+    gathered_weights,
     load_checkpoint,
     load_head_state,
+    load_optimizer_state,
     remap_position,
     restore_rng_state,
     save_checkpoint,
@@ -169,6 +177,7 @@ class Trainer:
         warmup = cfg.warmup_for(self.total_steps)
         self.scheduler = build_scheduler(optimizer, warmup, self.total_steps, cfg.min_lr_ratio)
         self.model, self.optimizer = acc.prepare(_HeadLoss(head), optimizer)
+        self._sharded = acc.distributed_type == DistributedType.FSDP
         self.state = TrainState(global_batch=self.global_batch)
         self._own_tracker = tracker is None
         self.tracker = tracker or Tracker(None, self.run_dir, is_main=acc.is_main_process)
@@ -325,37 +334,39 @@ class Trainer:
     def evaluate(self, log: bool = False) -> tuple[dict[str, float], dict[str, list[float]]]:
         """Validate on the whole validation set (see `evaluate_head`); log the means if `log`.
 
-        Uses the unwrapped head: a DDP forward would broadcast buffers, a collective that
-        deadlocks when processes hold different numbers of validation batches.
+        Uses the bare head (under FSDP a full copy gathered on every process), never the
+        wrapped model: a DDP or FSDP forward is a collective, which deadlocks when processes
+        hold different numbers of validation batches.
         """
         metrics: dict[str, float] = {}
         totals: dict[str, list[float]] = {}
-        if self.val_dataset is not None:
-            metrics, totals = evaluate_head(
-                self.acc,
-                self.head,
-                self.val_dataset,
-                self.collate_fn,
-                target=self.target,
-                layers=self.layers,
-                batch_size=self.cfg.eval_batch_size or self.cfg.batch_size,
-                num_workers=self.cfg.num_workers,
-                seed=self.cfg.seed,
-            )
-        if self.evaluators:
-            metrics.update(self._run_evaluators())
-        if self.acc.is_main_process:
-            self.best.update(metrics, self.state.step, self.head)
-        self.acc.wait_for_everyone()
+        with gathered_weights(self.head) as head:  # collective under FSDP
+            if self.val_dataset is not None:
+                metrics, totals = evaluate_head(
+                    self.acc,
+                    head,
+                    self.val_dataset,
+                    self.collate_fn,
+                    target=self.target,
+                    layers=self.layers,
+                    batch_size=self.cfg.eval_batch_size or self.cfg.batch_size,
+                    num_workers=self.cfg.num_workers,
+                    seed=self.cfg.seed,
+                )
+            if self.evaluators:
+                metrics.update(self._run_evaluators(head))
+            if self.acc.is_main_process:
+                self.best.update(metrics, self.state.step, head)
+            self.acc.wait_for_everyone()
         if log:
             self.tracker.log(metrics, self.state.step)
         return metrics, totals
 
-    def _run_evaluators(self) -> dict[str, float]:
+    def _run_evaluators(self, head: nn.Module) -> dict[str, float]:
         """Checkpoint-time evaluators run on the main process; every rank gets the numbers."""
         found: dict[str, float] = {}
         if self.acc.is_main_process:
-            found = run_evaluators(self.evaluators, self.head, self.target)
+            found = run_evaluators(self.evaluators, head, self.target)
         return broadcast_object_list([found])[0]
 
     def _log_train(self, window: _Window, bar: tqdm) -> _Window:
@@ -389,16 +400,17 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Write `checkpoints/step_<N>` from the main process; every process must call this."""
         acc = self.acc
-        full = acc.get_state_dict(self.model)  # collective under ZeRO-3 / FSDP
-        names = [n for n, _ in trainable_parameters(self.head)]
-        head_state = {n: full[f"head.{n}"] for n in names}
+        # collective under ZeRO-3 / FSDP, where the full state dicts are filled on rank 0 only
+        full = acc.get_state_dict(self.model)
+        optimizer = full_optimizer_state(self.model, self.optimizer, self._sharded)
         rng = gather_object([capture_rng_state()])  # one entry per process, rank order
         if acc.is_main_process:
+            names = [n for n, _ in trainable_parameters(self.head)]
             save_checkpoint(
                 self.run_dir,
                 self.state,
-                head=head_state,
-                optimizer=self.optimizer.state_dict(),
+                head={n: full[f"head.{n}"] for n in names},
+                optimizer=optimizer,
                 scheduler=self.scheduler.state_dict(),
                 rng=rng,
                 scaler=acc.scaler.state_dict() if acc.scaler is not None else None,
@@ -421,7 +433,7 @@ class Trainer:
         )
         fresh = optimizer_settings(self.optimizer, self.scheduler)
         load_head_state(dict(trainable_parameters(self.head)), ckpt.head, ckpt.path)
-        self.optimizer.load_state_dict(ckpt.optimizer)
+        load_optimizer_state(self.model, self.optimizer, ckpt.optimizer)
         self.scheduler.load_state_dict(ckpt.scheduler)
         if changed:
             apply_optimizer_settings(self.optimizer, self.scheduler, fresh)
@@ -461,17 +473,19 @@ class Trainer:
 
     def save_head(self) -> Path:
         """`head.save_pretrained(<run_dir>/head)` plus a manifest, on the main process,
-        atomically; weights holding inf/NaN are refused (NonFiniteError)."""
+        atomically; weights holding inf/NaN are refused (NonFiniteError). Every process must
+        call this (under FSDP they gather the full head together)."""
         path = self.run_dir / HEAD_DIR
-        if self.acc.is_main_process:
-            check_finite(self.head.state_dict(), path)
+        with gathered_weights(self.head) as head:
+            if self.acc.is_main_process:
+                check_finite(head.state_dict(), path)
 
-            def write(tmp: Path) -> None:
-                self.head.save_pretrained(tmp)
-                write_manifest(tmp)
+                def write(tmp: Path) -> None:
+                    head.save_pretrained(tmp)
+                    write_manifest(tmp)
 
-            atomic_save_dir(path, write)
-        self.acc.wait_for_everyone()
+                atomic_save_dir(path, write)
+            self.acc.wait_for_everyone()
         return path
 
     def _to_device(self, batch: dict) -> dict:
@@ -526,12 +540,31 @@ def _make_accelerator(cfg: TrainerConfig) -> Accelerator:
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     cpu = cfg.cpu or (launched and not torch.accelerator.is_available())
     ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.find_unused_parameters)
-    return Accelerator(
+    acc = Accelerator(
         mixed_precision=resolve_mixed_precision(cfg.mixed_precision),
         gradient_accumulation_steps=cfg.grad_accum,
         cpu=cpu,
         kwargs_handlers=[ddp],
     )
+    _check_sharding(acc)
+    return acc
+
+
+def _check_sharding(acc: Accelerator) -> None:
+    """Say so when an FSDP config is not what runs; refuse FSDP version 1 (its flat
+    parameters are not DTensors, which is what the loop gathers and checkpoints)."""
+    wanted = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if wanted and acc.distributed_type != DistributedType.FSDP:
+        log.warning(
+            "an FSDP config was given, but Accelerate runs %s (it shards only on GPU-like "
+            "devices, not with cpu=True): every process holds and updates the whole head",
+            acc.distributed_type.value,
+        )
+    if acc.distributed_type == DistributedType.FSDP and not acc.is_fsdp2:
+        raise ValueError(
+            "FSDP version 1 is not supported by the training loop: set fsdp_config.fsdp_version"
+            ": 2 in the accelerate config (conf/accelerate/fsdp.yaml does)."
+        )
 
 
 def _place_target(target: Any, device: torch.device) -> None:
