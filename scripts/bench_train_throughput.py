@@ -315,11 +315,13 @@ def main() -> None:
     target = load_conf_target(args.model)
     examples = load_examples(target, args.examples, args.max_length, args.skip)
     layers = default_aux_layers(target.num_layers)
-    flags = [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "heads"]
-    flags.append("--heads " + " ".join(args.heads))
+    flags = [
+        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+        for k, v in vars(args).items()
+    ]
     report = {
         "command": "python scripts/bench_train_throughput.py " + " ".join(flags),
-        "machine": f"{platform.machine()}, {args.threads} threads, torch {torch.__version__}",
+        "machine": f"{platform.machine()}, {args.threads} thread(s), torch {torch.__version__}",
         "examples": len(examples),
         "max_length": args.max_length,
         "batch_size": args.batch_size,

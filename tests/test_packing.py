@@ -163,11 +163,11 @@ def test_online_packed_features_equal_per_conversation_features(kind):
 # ---- boundaries ----------------------------------------------------------------------------
 
 
-def row_of(first, second, features=None):
+def row_of(first, second):
     """One packed row holding `first` then `second` (first is the longer one)."""
     rows = pack_examples([first, second], 64)
-    assert len(rows) == 1 and torch.equal(rows[0]["input_ids"][: len(first["input_ids"])],
-                                          first["input_ids"])  # fmt: skip
+    assert len(rows) == 1
+    assert torch.equal(rows[0]["input_ids"][: len(first["input_ids"])], first["input_ids"])
     return collate(rows)
 
 
@@ -214,10 +214,10 @@ def test_unmasked_packing_would_leak():
 
 def train_medusa(run_dir, examples, target, stop_at=None, **overrides):
     torch.manual_seed(0)
-    head = MedusaHeads.for_target(MedusaConfig(num_heads=2, draft_vocab_size=64), target,
-                                  token_counts=count_tokens(examples, VOCAB))  # fmt: skip
-    base = dict(lr=1e-2, max_steps=6, batch_size=4, grad_accum=1, save_every=3, log_every=1,
-                progress=False, seed=0, max_grad_norm=0.0)  # fmt: skip
+    config = MedusaConfig(num_heads=2, draft_vocab_size=64)
+    head = MedusaHeads.for_target(config, target, token_counts=count_tokens(examples, VOCAB))
+    base = dict(lr=1e-2, max_steps=6, batch_size=4, save_every=3, log_every=1, progress=False)
+    base.update(seed=0, max_grad_norm=0.0)
     trainer = Trainer(
         head,
         TrainerConfig(**{**base, **overrides}),
