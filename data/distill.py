@@ -34,6 +34,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -190,8 +191,15 @@ def work_items(
                 for sample in range(cfg.num_samples):
                     key = f"{synth.name}/{prompt['id']}/{sample}"
                     items.append(
-                        WorkItem(key, synth.name, str(prompt["id"]), sample, prompt["turns"],
-                                 synth.system, synth)
+                        WorkItem(
+                            key,
+                            synth.name,
+                            str(prompt["id"]),
+                            sample,
+                            prompt["turns"],
+                            synth.system,
+                            synth,
+                        )
                     )
             continue
         source = spec["path"]
@@ -453,8 +461,9 @@ def distill(
 
     with stack:
         synthesized = {
-            spec.name: synthesize(spec, out, cfg.seed, generator, encoder, rank, world_size,
-                                  barrier)
+            spec.name: synthesize(
+                spec, out, cfg.seed, generator, encoder, rank, world_size, barrier
+            )
             for spec in synthesis_specs(cfg)
         }
         stats = _distill_items(cfg, out, meta, synthesized, generator, rank, world_size, progress)
@@ -497,7 +506,10 @@ def _generate_all(gen, todo, cfg: DistillConfig, meta: dict, paths, stats: dict,
     step = 4 * cfg.batch_size if cfg.backend == "hf" else max(cfg.batch_size, 4 * cfg.parallel)
     for start in range(0, len(todo), step):
         batch = todo[start : start + step]
-        rows, skipped, tokens = _run_batch(gen, batch, cfg, meta)
+        if cfg.backend == "hf":
+            rows, skipped, tokens = _run_batch(gen, batch, cfg, meta)
+        else:
+            rows, skipped, tokens = _run_each(gen, batch, cfg, meta)
         _append(mine_path, rows)
         _append(skipped_file, skipped)
         stats["rows"] += len(rows)
@@ -507,6 +519,17 @@ def _generate_all(gen, todo, cfg: DistillConfig, meta: dict, paths, stats: dict,
         if bar is not None:
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{stats['new_tokens'] / stats['seconds']:.0f}")
+
+
+def _run_each(gen, batch: list[WorkItem], cfg: DistillConfig, meta: dict):
+    """A server's batch: every conversation runs its turns on its own, `parallel` at a time, so
+    a slot takes the next turn or conversation as soon as it is free (no waiting for the
+    slowest answer of a turn, as the HF lockstep must). Rows keep the batch's order."""
+    with ThreadPoolExecutor(max_workers=cfg.parallel) as pool:
+        done = list(pool.map(lambda item: _run_batch(gen, [item], cfg, meta), batch))
+    rows = [row for r, _, _ in done for row in r]
+    skipped = [row for _, sk, _ in done for row in sk]
+    return rows, skipped, sum(t for _, _, t in done)
 
 
 def _make_generator(target, cfg: DistillConfig, encoder: ChatEncoder, eos: list[int]):
