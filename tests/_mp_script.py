@@ -182,6 +182,11 @@ def main() -> None:
     train_once(args, rank, Path(args.run_dir), current, stop_at=args.stop_at)
     if args.then_straight:  # same processes, so no second launch is paid for
         train_once(args, rank, Path(args.then_straight), current)
+    if torch.distributed.is_initialized():
+        # an exit with the process group still up lets gloo's threads die mid-teardown; under
+        # FSDP2 that aborts now and then ("terminate called without an active exception")
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

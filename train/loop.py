@@ -554,7 +554,7 @@ def _check_sharding(acc: Accelerator) -> None:
     """Say so when an FSDP config is not what runs; refuse FSDP version 1 (its flat
     parameters are not DTensors, which is what the loop gathers and checkpoints)."""
     wanted = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    if wanted and acc.distributed_type != DistributedType.FSDP:
+    if wanted and acc.distributed_type != DistributedType.FSDP and acc.is_main_process:
         log.warning(
             "an FSDP config was given, but Accelerate runs %s (it shards only on GPU-like "
             "devices, not with cpu=True): every process holds and updates the whole head",
