@@ -26,6 +26,17 @@ def main(cfg: DictConfig) -> None:
         from eval.export import export_run
 
         export_run(run_dir, export)
+    _close_process_group()
+
+
+def _close_process_group() -> None:
+    """Leave the process group (if any) before exit: a multi-process run (FSDP2 over gloo in
+    particular) can otherwise abort at interpreter exit after its work is written."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

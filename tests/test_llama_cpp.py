@@ -330,6 +330,29 @@ def test_llama_cpp_distillation_resumes_without_duplicates(tiny_setup, tmp_path,
     assert same >= 4, f"only {same} of 6 llama.cpp answers equal HF's"
 
 
+def test_prompt_synthesis_through_llama_server_is_seeded(tiny_setup, tmp_path):
+    """Synthesis candidates sampled in llama-server (temperature 1, one seed per request): the
+    same seeds write the same text, and the filters judge it (this random tiny target never ends
+    a turn within 4 tokens, so every candidate is 'cut at max_new_tokens')."""
+    from data.distill import DistillConfig, distill, read_rows
+    from data.synthesize import SynthesisSpec, candidates_path
+
+    target, _, _, target_file, _ = tiny_setup
+    synth = {"synthesize": 1, "max_candidates": 32, "max_new_tokens": 4}
+    texts = []
+    for name in ("a", "b"):
+        out = tmp_path / name / "sd.jsonl"
+        out.parent.mkdir()
+        cfg = DistillConfig(prompts=[{"synthesize": synth}], out=str(out), backend="llama_cpp",
+                            gguf=str(target_file), parallel=1)  # fmt: skip
+        assert distill(target, cfg, progress=False)["rows"] == 0
+        rows = list(read_rows(candidates_path(out, SynthesisSpec(**synth))))
+        assert [r["i"] for r in rows] == list(range(32))
+        assert {r["reject"] for r in rows} == {"cut at max_new_tokens"}
+        texts.append([r["text"] for r in rows])
+    assert texts[0] == texts[1] and len(set(texts[0])) > 16
+
+
 def test_distillation_refuses_mixing_backends(tiny_setup, tmp_path):
     from data.distill import distill
 
