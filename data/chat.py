@@ -154,8 +154,12 @@ class ChatEncoder:
 
         Found with any template by rendering a user turn holding a marker and cutting there."""
         marker = "\u2063DRAFTSMITH-USER-TURN\u2063"
-        text = render([*messages, {"role": "user", "content": marker}], self.tokenizer,
-                      self.template, generation=False)
+        text = render(
+            [*messages, {"role": "user", "content": marker}],
+            self.tokenizer,
+            self.template,
+            generation=False,
+        )
         cut = text.find(marker)
         if cut < 0:
             raise ChatTemplateError(

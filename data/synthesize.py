@@ -179,7 +179,7 @@ class Deduplicator:
         self.index: dict[str, list[int]] = {}
 
     def check(self, text: str) -> str:
-        """"" and remember the text, or "exact duplicate" / "near duplicate"."""
+        """ "" and remember the text, or "exact duplicate" / "near duplicate"."""
         key = normalise(text)
         if key in self.exact:
             return "exact duplicate"

@@ -33,7 +33,7 @@ SMALL = [
 
 
 def _compose(name: str, extra: list[str], tmp_path: Path | None = None):
-    if name.endswith("_llama") and tmp_path is not None:
+    if "_llama" in name and tmp_path is not None:
         # the real default path (self-distilled data, disk feature cache), cut to a few prompts
         extra = [
             "data.self_distill.prompts=[{path: data/corpora/oa_prompts_en/prompts.jsonl, "
@@ -71,7 +71,7 @@ def test_experiment_runs_two_steps_saves_and_resumes(name, tmp_path):
     assert (tmp_path / "config.yaml").is_file()
     stats = json.loads((tmp_path / "data_stats.json").read_text())
     assert stats["train"]["examples"] > 0 and stats["train"]["loss_tokens"] > 0
-    if name.endswith("_llama"):  # trained on the target's own answers, features from disk
+    if "_llama" in name:  # trained on the target's own answers, features from disk
         assert len((tmp_path / "sd" / "sd.jsonl").read_text().splitlines()) == 12
         if cfg.data.features == "disk":
             assert list((tmp_path / "features").glob("*/index.json"))
