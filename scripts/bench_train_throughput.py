@@ -21,7 +21,14 @@ from pathlib import Path
 
 import torch
 
-HEADS = ("medusa", "eagle", "eagle3")
+# the heads with a conf/head entry and a *_llama experiment (Medusa-2 trains its own adapter)
+_CONF = Path(__file__).resolve().parents[1] / "conf"
+HEADS = tuple(
+    p.stem
+    for p in sorted((_CONF / "head").glob("*.yaml"))
+    if (_CONF / "experiment" / f"{p.stem}_llama.yaml").is_file()
+    and "lora_rank" not in p.read_text()
+)
 DATA = "data/corpora/oasst_en/conversations.jsonl"
 
 
@@ -340,7 +347,7 @@ def main() -> None:
     for kind in args.heads:
         config = head_config(kind)
         variants = {"padded": (config, None), "packed": (config, args.pack_tokens)}
-        if kind == "eagle3":  # what the full-vocabulary argmax of mask_outside_vocab costs
+        if getattr(config, "mask_outside_vocab", False):  # what its full-vocabulary argmax costs
             plain = dataclasses.replace(config, mask_outside_vocab=False)
             variants["padded, mask_outside_vocab=false"] = (plain, None)
         report["train"][kind] = train_steps(target, half, args.batch_size, args.steps, variants)

@@ -129,9 +129,12 @@ def train(run_dir: str, overrides: list[str]) -> int:
 def check_train(run_dir: str, expected: str = "") -> int:
     """Every logged loss finite, the head folder written, one distributed type on every rank
     (`expected`, e.g. FSDP, when given)."""
+    sys.path.insert(0, str(REPO))
+    from train.rundir import METRICS_FILE
+
     run = Path(run_dir)
     losses = []
-    for line in (run / "metrics.jsonl").read_text().splitlines():
+    for line in (run / METRICS_FILE).read_text().splitlines():
         record = json.loads(line)
         if "train/loss" in record:
             losses.append(record["train/loss"])

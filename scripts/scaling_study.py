@@ -31,10 +31,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-METHODS = {
-    "medusa": ("medusa_llama", ["tree16"]),
-    "eagle3": ("eagle3_llama", ["tree16", "dynamic"]),
-}
+# the experiments a point trains, and the trees its tau is measured with
+EXPERIMENTS = {"medusa_llama": ["tree16"], "eagle3_llama": ["tree16", "dynamic"]}
 HUMAN = [
     "data/corpora/oasst_en/conversations.jsonl",
     "data/corpora/gpteacher_roleplay/roleplay-simple-deduped-roleplay-instruct.json",
@@ -45,11 +43,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", type=Path, help="self-distilled conversations (JSONL)")
     p.add_argument("--budgets", type=int, nargs="+", default=[25_000, 100_000, 400_000])
-    p.add_argument("--methods", nargs="+", default=["medusa", "eagle3"], choices=list(METHODS))
+    p.add_argument("--methods", nargs="+", default=list(EXPERIMENTS), choices=list(EXPERIMENTS))
     p.add_argument(
         "--steps",
         type=json.loads,
-        default={"medusa": 200, "eagle3": 150},
+        default={"medusa_llama": 200, "eagle3_llama": 150},
         help="training steps per method, JSON (default: the 20-minute recipes' steps)",
     )
     p.add_argument("--val-rows", type=int, default=80)
@@ -122,7 +120,7 @@ def plan(args, have: int) -> list[dict]:
     dynamic_at = set(args.dynamic_at if args.dynamic_at is not None else args.budgets)
     for budget in sorted(args.budgets):
         for method in args.methods:
-            trees = [t for t in METHODS[method][1] if t != "dynamic" or budget in dynamic_at]
+            trees = [t for t in EXPERIMENTS[method] if t != "dynamic" or budget in dynamic_at]
             points.append(
                 {
                     "key": f"{method}-synth-{budget}",
@@ -152,7 +150,7 @@ def plan(args, have: int) -> list[dict]:
 
 def run_point(args, point: dict, train_rows: list[dict], val_file: Path) -> dict:
     method, budget = point["method"], point["budget"]
-    experiment, _ = METHODS[method]
+    experiment = method
     run_dir = args.out / point["key"]
     data_file = args.out / f"train-{point['key']}.jsonl"
     if point["kind"] == "synth":
@@ -211,14 +209,16 @@ def train_metrics(run_dir: Path) -> dict:
     """Held-out top-1 per draft position at the end, the last logged training top-1 (the
     average over the last logging window), the data size and the training wall time."""
     out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+    from train.rundir import DATA_STATS, METRICS_FILE
+
+    for line in (run_dir / METRICS_FILE).read_text().splitlines():
         row = json.loads(line)
         for k, v in row.items():
             if k.endswith("/top1") and (k.startswith("val/") or k.startswith("train/")):
                 out[k] = v
         if "train/tokens" in row:
             out["train_tokens_seen"] = row["train/tokens"]
-    stats = run_dir / "data_stats.json"
+    stats = run_dir / DATA_STATS
     if stats.is_file():
         out["data"] = json.loads(stats.read_text())
     return out
