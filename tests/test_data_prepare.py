@@ -86,7 +86,6 @@ def test_every_data_group_builds_a_data_config(group):
     "overrides, digest",
     [
         (["+experiment=medusa_tiny"], "efac016af7f7"),
-        # eagle_llama keeps data=smollm2_distilled (eagle3_llama moved to smollm2_synth)
         (["+experiment=eagle_llama"], "264eca5b9cc8"),
         (["+experiment=eagle_llama", "data=smollm2_distilled_full"], "c7eb394c630e"),
         # an int temperature keys apart from 0.0, as it did
