@@ -6,7 +6,7 @@
   (external baselines),
 - `SpeculativeMethod`: a draft head's proposer + a verifier in `SpeculativeGenerator`.
 The proposer is the one in `PROPOSERS` that drafts with the head class's `drafting` Protocol, so
-a new draft method that drafts like Medusa or like EAGLE needs nothing here.
+a new draft method that drafts like Medusa, EAGLE or DFlash needs nothing here.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch import Tensor
 
 from data.generation import NEUTRAL_PROCESSORS, eos_token_ids
 from eval import kv_cache
+from eval.block_proposer import BlockProposer
 from eval.eagle_proposer import EagleProposer
 from eval.generator import GenerationResult, SpeculativeGenerator, plain_decode
 from eval.proposers import MedusaProposer, Proposer
@@ -29,7 +30,7 @@ from eval.verify import GreedyVerifier, Verifier
 
 BASELINES = ("plain", "hf_generate", "hf_prompt_lookup")
 # Every proposer; a head drafts with the one whose `drafts` is its class's `drafting`.
-PROPOSERS: tuple[type, ...] = (MedusaProposer, EagleProposer)
+PROPOSERS: tuple[type, ...] = (MedusaProposer, EagleProposer, BlockProposer)
 
 
 @dataclass

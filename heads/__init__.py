@@ -12,19 +12,27 @@ from pathlib import Path
 
 from heads.base import (
     CONFIG_NAME,
+    BlockDrafter,
     DraftHead,
     FeatureDrafter,
     HeadMismatchError,
     LossOutput,
     ParallelDrafter,
 )
+from heads.dflash import DFlashConfig, DFlashHead
 from heads.eagle import EagleConfig, EagleHead
 from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.folder import HeadFolderError, is_foreign_head, read_head_config
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.medusa2 import Medusa2Config, Medusa2Head
 
-HEAD_TYPES: tuple[type[DraftHead], ...] = (MedusaHeads, Medusa2Head, EagleHead, Eagle3Head)
+HEAD_TYPES: tuple[type[DraftHead], ...] = (
+    MedusaHeads,
+    Medusa2Head,
+    EagleHead,
+    Eagle3Head,
+    DFlashHead,
+)
 HEAD_CLASSES: dict[str, type[DraftHead]] = {cls.method: cls for cls in HEAD_TYPES}
 HUB_PREFIX = "hf://"  # heads.from_pretrained("hf://owner/name") downloads a Hub repo
 
@@ -105,6 +113,9 @@ def hub_snapshot(repo_id: str) -> str:
 
 __all__ = [
     "HEAD_CLASSES",
+    "BlockDrafter",
+    "DFlashConfig",
+    "DFlashHead",
     "HEAD_TYPES",
     "HUB_PREFIX",
     "DraftHead",

@@ -2,7 +2,8 @@
 
 `DraftHead` is the whole contract: what train/, eval/ and the exporters may ask of a head, the
 per-method facts included (as class attributes), so that no module outside heads/ keeps a table
-keyed by method name. `ParallelDrafter` and `FeatureDrafter` are the two ways a head drafts.
+keyed by method name. `ParallelDrafter`, `FeatureDrafter` and `BlockDrafter` are the ways a head
+drafts.
 
 A head folder is `config.json` (the head's config dataclass plus the method name and the target
 it was trained on) and `model.safetensors`; heads/folder.py reads one back and refuses a folder
@@ -145,6 +146,30 @@ class FeatureDrafter(DraftHead, Protocol):
         self, tokens: Tensor, hidden: Tensor, position_ids: Tensor, cache: Any,
         attn_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]: ...  # fmt: skip
+
+
+@runtime_checkable
+class BlockDrafter(DraftHead, Protocol):
+    """Drafts a whole block in one forward from injected target context (DFlash, DSpark).
+
+    The draft keeps, per layer, keys/values of the committed context:
+    new_cache() -> an empty cache (`.length`, `.crop(n)`);
+    context(features) -> (..., H): the fused context rows of target features ("aux");
+    extend_cache(cache, context, position_ids): append committed rows at those positions;
+    draft_block(anchor, position, cache) -> (B, block_size - 1, D): one forward over
+        [anchor, MASK, ...] at positions position, position + 1, ...; row k-1 scores the token
+        k places after the anchor. The cache is read, not changed.
+    """
+
+    block_size: int
+
+    def context(self, features: dict[str, Tensor]) -> Tensor: ...
+
+    def new_cache(self) -> Any: ...
+
+    def extend_cache(self, cache: Any, context: Tensor, position_ids: Tensor) -> None: ...
+
+    def draft_block(self, anchor: Tensor, position: Tensor, cache: Any) -> Tensor: ...
 
 
 @dataclass

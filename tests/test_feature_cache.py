@@ -22,6 +22,7 @@ from data.feature_cache import (
     shard_file,
 )
 from data.features import FeatureCacheMismatch, compute_features, feature_meta
+from heads.dflash import DFlashConfig, DFlashHead
 from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.medusa import MedusaConfig, MedusaHeads
 from train.features import batch_features
@@ -139,7 +140,13 @@ def eagle3(target):
     return Eagle3Head.for_target(config, target).eval()
 
 
-@pytest.mark.parametrize("make_head", [medusa, eagle3])
+def dflash(target):
+    torch.manual_seed(0)
+    config = DFlashConfig(block_size=4, num_anchors=6, target_layer_ids=[0, 0])
+    return DFlashHead.for_target(config, target).eval()
+
+
+@pytest.mark.parametrize("make_head", [medusa, eagle3, dflash])
 def test_cached_features_give_the_online_loss(tiny_llama, tmp_path, make_head):
     head = make_head(tiny_llama)
     layers = head.feature_layers()
@@ -150,8 +157,10 @@ def test_cached_features_give_the_online_loss(tiny_llama, tmp_path, make_head):
     online = collate(examples)
     cached = collate([cache[i] for i in range(len(cache))])
     assert ("aux" in cached) == bool(layers)
-    with torch.no_grad():
+    with torch.no_grad():  # the same seed: DFlash samples the same anchors
+        torch.manual_seed(7)
         want = head.loss(online, batch_features(online, tiny_llama, layers))
+        torch.manual_seed(7)
         got = head.loss(cached, batch_features(cached, None, layers))
     torch.testing.assert_close(got.loss, want.loss, atol=1e-6, rtol=0)
     assert got.loss > 0

@@ -18,7 +18,7 @@ from eval.methods import make_proposer
 from eval.model_card import render_model_card
 from eval.proposers import MedusaProposer
 from heads import interop
-from heads.base import DraftHead, FeatureDrafter, ParallelDrafter
+from heads.base import BlockDrafter, DraftHead, FeatureDrafter, ParallelDrafter
 from heads.eagle import EagleConfig, EagleHead
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.medusa2 import Medusa2Config, Medusa2Head
@@ -63,7 +63,7 @@ def test_each_head_implements_the_whole_contract(cls, tokenizer):
         m for m in members if not hasattr(cls, m) and m not in ("config", "target_info")
     )
     assert not missing, f"{cls.__name__} lacks {missing}"
-    assert cls.drafting in (ParallelDrafter, FeatureDrafter)
+    assert cls.drafting in (ParallelDrafter, FeatureDrafter, BlockDrafter)
     assert cls.export_formats[0] == "native" and set(cls.export_formats) <= set(interop.FORMATS)
     target = Target.from_model(make_llama(), tokenizer, name_or_path="tiny-llama")
     config = cls.config_class(**({"draft_vocab_size": None} if cls.method == "eagle3" else {}))
