@@ -414,7 +414,7 @@ class DFlashHead(nn.Module):
             )
         config = dataclasses.replace(config, target_layer_ids=list(ids), mask_token_id=int(mask))
         draft_ids = frequent_ids(target, config.draft_vocab_size, token_counts, "draft_vocab_size")
-        return cls(
+        head = cls(
             config,
             TargetInfo.of(target),
             LayerSpec.from_hf_config(target.model.config),
@@ -422,6 +422,14 @@ class DFlashHead(nn.Module):
             target.lm_head.weight,
             draft_ids,
         )
+        # The frozen lm_head was trained on the target's final norm: start the draft's norm
+        # there, so that its first logits have the target's scale (all-ones gave a CE of 19).
+        final = getattr(getattr(target.model, "base_model", None), "norm", None)
+        weight = getattr(final, "weight", None)
+        if isinstance(weight, Tensor) and weight.shape == head.norm.weight.shape:
+            with torch.no_grad():
+                head.norm.weight.copy_(weight.detach().float())
+        return head
 
     # ---- facts ---------------------------------------------------------------------------
 
