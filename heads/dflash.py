@@ -80,6 +80,10 @@ class DFlashConfig:
     learn_mask: bool = True  # train the MASK vector (exported as llama.cpp's mask_embedding.pt)
     draft_vocab_size: int | None = None  # null: the target's full vocabulary and frozen lm_head
     intermediate_size: int | None = None  # null: the target's MLP width
+    # Start the draft layers as copies of the target's layers right after the deepest fused one
+    # (fc then selects that layer's features): attention is then meaningful from step one, which
+    # matters when the training data is small (see `init_from_target_layers`).
+    init_from_target: bool = False
     num_anchors: int = 64  # blocks trained per row and step
     loss: str = "ce"  # "ce": the data's tokens; "kd": the target's distributions
     gamma: float | None = None  # slot k's loss weight exp(-(k-1)/gamma); null: by block size
@@ -338,7 +342,8 @@ class DFlashHead(nn.Module):
     config_class = DFlashConfig
     title = "DFlash block drafter"
     hub_tag = "dflash"
-    export_formats = ("native",)
+    # z-lab's layout (vLLM, SGLang, llama.cpp's converter; GGUF through it) and speculators'
+    export_formats = ("native", "dflash", "speculators")
     export_note = ""
     drafting = BlockDrafter
     uses_target_features = True
@@ -422,6 +427,8 @@ class DFlashHead(nn.Module):
             target.lm_head.weight,
             draft_ids,
         )
+        if config.init_from_target:
+            init_from_target_layers(head, target)
         # The frozen lm_head was trained on the target's final norm: start the draft's norm
         # there, so that its first logits have the target's scale (all-ones gave a CE of 19).
         final = getattr(getattr(target.model, "base_model", None), "norm", None)
@@ -675,6 +682,48 @@ class DFlashHead(nn.Module):
         )
         load_weights(head, tensors, path)
         return head
+
+
+def _projection_gain(weight: Tensor, input_gain: Tensor, head_dim: int) -> Tensor:
+    """Per-dimension RMS (head_dim,) of a projection's heads for an input RMS-normed with gain
+    `input_gain`: sqrt(sum_j W[r, j]^2 g_j^2), averaged over the heads. A q_norm / k_norm with
+    this weight keeps the scale the target's un-normed queries/keys had."""
+    rows = (weight.float().pow(2) * input_gain.float().pow(2)).sum(-1).sqrt()  # (heads * d,)
+    return rows.view(-1, head_dim).mean(0)
+
+
+@torch.no_grad()
+def init_from_target_layers(head: DFlashHead, target) -> None:
+    """Draft layer i starts as a copy of target layer L + 1 + i (clamped to the last), where L
+    is the deepest fused layer id; fc starts as the selection of layer L's features and
+    hidden_norm as layer L + 1's input norm, so the context keys/values are that layer's own
+    (up to q_norm / k_norm, set to keep the target's query/key scale). Biases of the target's
+    projections (Qwen2) are dropped: the draft has none."""
+    layers = getattr(getattr(target.model, "base_model", None), "layers", None)
+    if layers is None:
+        raise ValueError(
+            "head.init_from_target needs a target whose base model has decoder `layers` "
+            "(Llama/Qwen-style); set head.init_from_target=false."
+        )
+    ids = head.config.target_layer_ids
+    last = max(ids)
+    H = head.target_info.hidden_size
+    head.fc.weight.zero_()
+    slot = ids.index(last)
+    head.fc.weight[:, slot * H : (slot + 1) * H] = torch.eye(H)
+    first = layers[min(last + 1, len(layers) - 1)]
+    head.hidden_norm.weight.copy_(first.input_layernorm.weight.float())
+    d = head.spec.head_dim
+    for i, mine in enumerate(head.layers):
+        src = layers[min(last + 1 + i, len(layers) - 1)]
+        theirs = dict(src.named_parameters())
+        for name, param in mine.named_parameters():
+            if name in theirs and theirs[name].shape == param.shape:
+                param.copy_(theirs[name].float())
+        gain = src.input_layernorm.weight
+        attn = src.self_attn
+        mine.self_attn.q_norm.weight.copy_(_projection_gain(attn.q_proj.weight, gain, d))
+        mine.self_attn.k_norm.weight.copy_(_projection_gain(attn.k_proj.weight, gain, d))
 
 
 __all__ = [

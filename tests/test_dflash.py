@@ -17,6 +17,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import diverse, make_llama, make_qwen2, make_tokenizer
 
 from eval import kv_cache
@@ -465,3 +466,28 @@ def test_loss_options_train(target, options):
     assert losses[-1] < 0.7 * losses[0]
     if options.get("loss") == "kd":  # soft labels: the loss is a cross-entropy to the target
         assert losses[-1] > 0
+
+
+def test_init_from_target_copies_the_layers_after_the_deepest_fused_one(target):
+    config = DFlashConfig(
+        block_size=4, num_layers=2, target_layer_ids=[0, 1], init_from_target=True
+    )
+    head = DFlashHead.for_target(config, target)
+    layers = target.model.base_model.layers
+    H = target.hidden_size
+    torch.testing.assert_close(head.fc.weight[:, H:], torch.eye(H))
+    assert not head.fc.weight[:, :H].any()
+    torch.testing.assert_close(head.hidden_norm.weight, layers[2].input_layernorm.weight)
+    for i, src in zip(range(2), (layers[2], layers[3])):
+        mine = head.layers[i]
+        torch.testing.assert_close(mine.self_attn.q_proj.weight, src.self_attn.q_proj.weight)
+        torch.testing.assert_close(mine.mlp.down_proj.weight, src.mlp.down_proj.weight)
+        assert (mine.self_attn.k_norm.weight > 0).all()
+    # the fused context through draft layer 0's k_proj is the target layer's own key projection
+    # of its normed input (without Qwen2's bias)
+    with torch.no_grad():
+        states = target.model(input_ids=PROMPT, output_hidden_states=True).hidden_states
+        ctx = head.context({"aux": torch.cat([states[1], states[2]], -1)})
+        src = layers[2]
+        want = F.linear(src.input_layernorm(states[2]), src.self_attn.k_proj.weight)
+        torch.testing.assert_close(head.layers[0].self_attn.k_proj(ctx), want, atol=1e-5, rtol=1e-4)
