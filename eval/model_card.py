@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from data.paths import REPO_ROOT
-from heads.interop import serve_commands
+from heads.interop import export_notes, serve_commands
 
 METRICS = ("tau", "tokens_per_s", "speedup_vs_plain", "greedy_mismatches", "requests")
 
@@ -148,6 +148,8 @@ def render_model_card(
             "",
         ]
     lines += ["## Serve it", "", "```bash", *serve_commands(fmt, base, where, config), "```", ""]
+    for note in export_notes(head, fmt):
+        lines += [note, ""]
     lines += _data_section(context)
     lines += [
         "## Export check",

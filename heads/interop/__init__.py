@@ -17,6 +17,13 @@ Formats (`FORMATS`), each a folder with `config.json` and one weights file:
   `medusa_lm_head.safetensors` (FasterDecoding's own MedusaModel.from_pretrained reads a torch.save
   of the same dict, `medusa_lm_head.pt`).
 
+- `dflash`: a DFlash draft in z-lab's layout (`DFlashDraftModel`), which vLLM (`"method":
+  "dflash"`), SGLang (`--speculative-algorithm DFLASH`) and llama.cpp's converter read: Qwen3
+  keys plus `block_size`, `num_target_layers`, `dflash_config`; unprefixed `layers.*`, `fc`,
+  `hidden_norm`, `norm`, and `mask_embedding.pt` for a learned MASK vector
+  (heads/interop/dflash.py).
+- `speculators`: a DFlash draft as vllm-project/speculators saves it (`DFlashSpeculator`).
+
 `import_draft` reads any of these (and SafeAILab / SpecForge EAGLE checkpoints: `midlayer.*`,
 `pytorch_model.bin`, a `model.` prefix) into our head classes, onto a given target.
 Medusa-2 heads adapt the target with LoRA, which no engine applies: only `native` is offered.
@@ -26,13 +33,16 @@ The package: `export.py` writes the layouts, `load.py` reads them back.
 
 from __future__ import annotations
 
-FORMATS = ("native", "eagle3", "eagle", "medusa", "medusa_fd")
+FORMATS = ("native", "eagle3", "eagle", "medusa", "medusa_fd", "dflash", "speculators")
+READ_FORMATS = (*FORMATS, "deepspec")  # what detect_format names (deepspec: to refuse it)
 # The engine releases each layout was checked against (also written into config.json).
 ENGINE_VERSIONS = {
     "eagle3": {"vllm": "0.33", "sglang": "0.5.23"},
     "eagle": {"vllm": "0.33", "sglang": "0.5.23"},
     "medusa": {"vllm": "0.32"},
     "medusa_fd": {"FasterDecoding/Medusa": "main"},
+    "dflash": {"z-lab/dflash": "44947fb", "llama.cpp": "11434"},
+    "speculators": {"vllm-project/speculators": "c05b95b"},
 }
 WEIGHTS_NAME = "model.safetensors"
 MEDUSA_FD_WEIGHTS = "medusa_lm_head.safetensors"  # what FasterDecoding's train.py and TGI use
@@ -42,6 +52,7 @@ WEIGHT_FILES = (WEIGHTS_NAME, MEDUSA_FD_WEIGHTS, "pytorch_model.bin", "medusa_lm
 from heads.interop.export import (  # noqa: E402
     engine_default_aux_layers,
     export_draft,
+    export_notes,
     formats_for,
     serve_commands,
 )
@@ -56,12 +67,14 @@ from heads.interop.load import (  # noqa: E402
 __all__ = [
     "ENGINE_VERSIONS",
     "FORMATS",
+    "READ_FORMATS",
     "MEDUSA_FD_WEIGHTS",
     "WEIGHTS_NAME",
     "WEIGHT_FILES",
     "detect_format",
     "engine_default_aux_layers",
     "export_draft",
+    "export_notes",
     "formats_for",
     "import_draft",
     "load_tensors",

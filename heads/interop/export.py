@@ -11,11 +11,13 @@ import torch
 from torch import Tensor
 
 from heads.base import CONFIG_NAME, atomic_save_dir, save_safetensors
+from heads.dflash import DFlashHead
 from heads.draft_layer import LayerSpec
 from heads.eagle import EagleHead
 from heads.eagle3 import Eagle3Head
 from heads.folder import check_target
 from heads.interop import ENGINE_VERSIONS, FORMATS, MEDUSA_FD_WEIGHTS, WEIGHTS_NAME
+from heads.interop.dflash import export_speculators, export_zlab, mask_note
 from heads.medusa import MedusaHeads
 
 log = logging.getLogger(__name__)
@@ -41,7 +43,7 @@ def export_draft(head, target, fmt: str, out_dir) -> dict:
     if fmt == "native":
         head.save_pretrained(out_dir)
         return json.loads((Path(out_dir) / CONFIG_NAME).read_text())
-    config, tensors, filename = _EXPORTERS[fmt](head, target)
+    config, tensors, filename, extra = _EXPORTERS[fmt](head, target)
     config["draftsmith"] = {
         "format": fmt,
         "targets": ENGINE_VERSIONS[fmt],
@@ -60,6 +62,8 @@ def export_draft(head, target, fmt: str, out_dir) -> dict:
     def write(tmp: Path) -> None:
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         save_safetensors(tensors, tmp / filename, {"format": "pt"})
+        for name, obj in extra.items():  # e.g. DFlash's mask_embedding.pt, a torch.save'd dict
+            torch.save(obj, tmp / name)
 
     atomic_save_dir(out_dir, write)
     return config
@@ -81,10 +85,30 @@ def serve_commands(fmt: str, base: str, repo: str, config: dict) -> list[str]:
         return [f"vllm serve {base} --speculative-config '{spec}'   # vLLM <= 0.32.x"]
     if fmt == "medusa_fd":
         return [f"python -m medusa.inference.cli --model {repo}   # FasterDecoding/Medusa"]
+    if fmt == "dflash":
+        block = int(config.get("block_size", 8))
+        spec = json.dumps({"method": "dflash", "model": repo, "num_speculative_tokens": block - 1})
+        return [
+            f"vllm serve {base} --speculative-config '{spec}'",
+            f"python -m sglang.launch_server --model-path {base} --speculative-algorithm DFLASH "
+            f"--speculative-draft-model-path {repo} --speculative-num-draft-tokens {block}",
+            f"python convert_hf_to_gguf.py {repo} --target-model-dir TARGET_DIR --outfile "
+            "draft.gguf   # llama.cpp's converter, then:",
+            f"llama-server -m TARGET.gguf -md draft.gguf --spec-type draft-dflash "
+            f"--spec-draft-n-max {block - 1}",
+        ]
+    if fmt == "speculators":
+        return [f"vllm serve {repo}   # speculators format: the config names the verifier"]
     return [
         f"python evaluate.py head_path={repo} bench=mt_bench   # draftsmith's harness",
         f"python train.py +experiment=... init_from={repo}   # continue training",
     ]
+
+
+def export_notes(head, fmt: str) -> list[str]:
+    """Caveats of `head` exported as `fmt` that a user of the export must read (model card)."""
+    note = mask_note(head, fmt)
+    return [note] if note else []
 
 
 def _head_dtype(head) -> torch.dtype:
@@ -146,7 +170,7 @@ def _export_eagle3(head: Eagle3Head, target):
         # vLLM reads HF hidden_states indices; SGLang captures layer id + 1, hence the - 1.
         config["eagle_aux_hidden_state_layer_ids"] = aux
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux]}
-    return config, dict(head.state_dict()), WEIGHTS_NAME
+    return config, dict(head.state_dict()), WEIGHTS_NAME, {}
 
 
 def _export_eagle(head: EagleHead, target):
@@ -167,7 +191,7 @@ def _export_eagle(head: EagleHead, target):
             "eagle export: SGLang applies fc.bias; vLLM's EagleLlamaForCausalLM builds fc without "
             "a bias and skips it, so vLLM's proposals differ slightly from this head's."
         )
-    return config, tensors, WEIGHTS_NAME
+    return config, tensors, WEIGHTS_NAME, {}
 
 
 def _medusa_blocks(head: MedusaHeads, name) -> dict[str, Tensor]:
@@ -200,7 +224,7 @@ def _export_medusa(head: MedusaHeads, target):
         "original_lm_head": bool(c.share_lm_head),
         "medusa_fc_bias": True,
     }
-    return config, tensors, WEIGHTS_NAME
+    return config, tensors, WEIGHTS_NAME, {}
 
 
 def _export_medusa_fd(head: MedusaHeads, target):
@@ -225,7 +249,17 @@ def _export_medusa_fd(head: MedusaHeads, target):
         "medusa_num_layers": c.num_layers,
         "base_model_name_or_path": target.name_or_path,
     }
-    return config, tensors, MEDUSA_FD_WEIGHTS
+    return config, tensors, MEDUSA_FD_WEIGHTS, {}
+
+
+def _export_dflash(head: DFlashHead, target):
+    config, tensors, extra = export_zlab(head, target)
+    return config, tensors, WEIGHTS_NAME, extra
+
+
+def _export_speculators(head: DFlashHead, target):
+    config, tensors, extra = export_speculators(head, target)
+    return config, tensors, WEIGHTS_NAME, extra
 
 
 _EXPORTERS = {
@@ -233,4 +267,6 @@ _EXPORTERS = {
     "eagle": _export_eagle,
     "medusa": _export_medusa,
     "medusa_fd": _export_medusa_fd,
+    "dflash": _export_dflash,
+    "speculators": _export_speculators,
 }

@@ -1,9 +1,14 @@
-"""GGUF files for llama.cpp: a draft head (EAGLE-3 now) and, where needed, its target.
+"""GGUF files for llama.cpp: a draft head (EAGLE-3, DFlash) and, where needed, its target.
 
 A draft becomes GGUF in two steps: the serving layout Hugging Face engines read (`export_draft`,
-e.g. `LlamaForCausalLMEagle3`), then llama.cpp's own converter from the pinned build
-(`data.engines.llama_cpp.convert_to_gguf`) with `--target-model-dir` the target's folder (the
-converter takes the tokenizer, vocabulary size and hidden size from there). The target needs a
+e.g. `LlamaForCausalLMEagle3`, or z-lab's `DFlashDraftModel` with its `mask_embedding.pt`), then
+llama.cpp's own converter from the pinned build (`data.engines.llama_cpp.convert_to_gguf`) with
+`--target-model-dir` the target's folder (the converter takes the tokenizer, vocabulary size and
+hidden size from there, and for a learned DFlash MASK vector the target's embedding and lm_head,
+written into the draft GGUF with the vector in the mask token's row). A DFlash GGUF records
+`dflash.block_size`, `dflash.target_layers` (z-lab ids + 1, HF hidden_states indices) and
+`tokenizer.ggml.mask_token_id`; llama-server serves it with `--spec-type draft-dflash
+--spec-draft-n-max B-1`. The target needs a
 GGUF of its own only when it is not one already: the embedded SmolLM2 is shipped as Q4_1, and
 `target_gguf(..., outtype="f32")` converts its de-quantized folder for numerically faithful runs.
 """
@@ -19,7 +24,7 @@ from data.engines.llama_cpp import convert_to_gguf
 from heads.interop.export import export_draft, formats_for
 
 # head format written before conversion -> llama.cpp's --spec-type for the resulting GGUF
-GGUF_SPEC_TYPES = {"eagle3": "draft-eagle3"}
+GGUF_SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash"}
 DRAFT_GGUF = "draft.gguf"
 
 
@@ -27,10 +32,18 @@ def gguf_source_format(head) -> str:
     """The serving layout a head is converted from, or a clear refusal."""
     for fmt in formats_for(head):
         if fmt in GGUF_SPEC_TYPES:
+            if fmt == "dflash" and head.draft_vocab_size < head.target_info.vocab_size:
+                raise ValueError(
+                    f"this DFlash head scores a reduced vocabulary ({head.draft_vocab_size} of "
+                    f"{head.target_info.vocab_size} tokens, with its own lm_head), but "
+                    "llama.cpp's DFlash drafts use the target's output head. Train with "
+                    "head.draft_vocab_size=null for llama.cpp, or export it with --format "
+                    "speculators for vLLM."
+                )
             return fmt
     raise ValueError(
-        f"llama.cpp serves no {type(head).__name__} drafts: GGUF export takes EAGLE-3 heads "
-        "(DFlash/DSpark when they land). Export this head as one of "
+        f"llama.cpp serves no {type(head).__name__} drafts: GGUF export takes EAGLE-3 and "
+        "DFlash heads. Export this head as one of "
         f"{', '.join(formats_for(head))} for vLLM/SGLang instead."
     )
 

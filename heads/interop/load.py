@@ -17,7 +17,15 @@ from heads.draft_layer import LayerSpec
 from heads.eagle import EagleConfig, EagleHead
 from heads.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers
 from heads.folder import OWN_KEYS, HeadFolderError, check_target, read_json, read_safetensors
-from heads.interop import FORMATS, WEIGHT_FILES
+from heads.interop import READ_FORMATS, WEIGHT_FILES
+from heads.interop.dflash import (
+    DEEPSPEC_ARCHS,
+    ZLAB_ARCH,
+    import_speculators,
+    import_zlab,
+    refuse_deepspec,
+    speculators_kind,
+)
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.vocab import d2t_t2d, saved_draft_ids
 
@@ -73,12 +81,28 @@ def _tensor_names(path) -> set[str]:
         return set(load_tensors(path))  # which raises the error that names the file
 
 
+# DSpark layouts, not read until draftsmith has a DSpark head
+DSPARK_ARCHS = ("DSparkDraftModel", "DSparkSpeculator", "Lfm2DSparkDraftModel", "LingDSparkModel")
+
+
 def detect_format(path) -> str:
-    """Which of FORMATS a folder holds, from its config.json (and tensor names if needed)."""
+    """Which of READ_FORMATS a folder holds, from its config.json (and tensor names if needed)."""
     doc = read_config(path)
     archs = doc.get("architectures") or []
     if doc.keys() & OWN_KEYS:
         return "native"
+    if ZLAB_ARCH in archs:
+        return "dflash"
+    if speculators_kind(doc):
+        return speculators_kind(doc)
+    if any(a in DEEPSPEC_ARCHS for a in archs):
+        return "deepspec"
+    if any(a in DSPARK_ARCHS for a in archs) or doc.get("speculators_model_type") == "dspark":
+        raise HeadMismatchError(
+            f"{path}: a DSpark draft ({', '.join(archs) or 'speculators dspark'}): draftsmith "
+            "has no DSpark head to load it into yet; serve it in llama.cpp (--spec-type "
+            "draft-dspark) or the tool that trained it."
+        )
     if "medusa_num_heads" in doc:
         return "medusa_fd"
     if doc.get("model_type") == "medusa" or "MedusaModel" in archs:
@@ -104,7 +128,7 @@ def detect_format(path) -> str:
         return "medusa_fd"
     raise ValueError(
         f"{path}: unknown draft format (architectures {archs}, tensors like {sorted(names)[:4]}); "
-        f"draftsmith reads {', '.join(FORMATS)}."
+        f"draftsmith reads {', '.join(READ_FORMATS)}."
     )
 
 
@@ -113,16 +137,20 @@ def detect_format(path) -> str:
 
 def import_draft(path, target, allow_other_target: bool = False):
     """Load a folder in any of FORMATS onto `target` as one of our heads (EagleHead,
-    Eagle3Head, MedusaHeads), ready for decoding and for further training; its target_info is
-    `target`'s. A folder draftsmith exported records its target's fingerprint, which must match
-    unless `allow_other_target`."""
+    Eagle3Head, MedusaHeads, DFlashHead), ready for decoding and for further training; its
+    target_info is `target`'s. A folder draftsmith exported records its target's fingerprint,
+    which must match unless `allow_other_target`."""
     fmt = detect_format(path)
     if fmt == "native":
         import heads
 
         return heads.from_pretrained(path, target, allow_other_target=allow_other_target)
-    doc, tensors = read_config(path), load_tensors(path)
-    _drop_target_copy(tensors, "embed_tokens.weight", target.embed_tokens.weight, path)
+    doc = read_config(path)
+    if fmt == "deepspec":
+        refuse_deepspec(doc, None, target, path)
+    tensors = load_tensors(path)
+    if fmt != "speculators":  # speculators keeps a learned MASK row in its embed_tokens
+        _drop_target_copy(tensors, "embed_tokens.weight", target.embed_tokens.weight, path)
     head = _IMPORTERS[fmt](doc, tensors, target, Path(path))  # refuses other sizes first
     _check_recorded_target(doc, target, path, allow_other_target)
     return head
@@ -385,4 +413,6 @@ _IMPORTERS = {
     "eagle": _import_eagle,
     "medusa": _import_medusa,
     "medusa_fd": _import_medusa_fd,
+    "dflash": import_zlab,
+    "speculators": import_speculators,
 }
