@@ -1,7 +1,7 @@
 """Export a trained draft as a llama.cpp GGUF and prove it in llama.cpp itself.
 
 `export_gguf_run(source, out)` writes `out/draft-<outtype>.gguf` (heads.interop.gguf: the EAGLE-3
-serving layout through llama.cpp's own converter, with the run's target folder as
+or DFlash serving layout through llama.cpp's own converter, with the run's target folder as
 `--target-model-dir`) and `out/export.json`. The target GGUF is the target's own file when it has
 one (the embedded SmolLM2's Q4_1 as shipped) or, with `target_outtype` (f32, f16, ...), its folder
 converted into `out/target-<outtype>.gguf` for numerically faithful runs.

@@ -3,16 +3,19 @@
     python scripts/export.py RUN_DIR --format eagle3 --out DIR
     python scripts/export.py RUN_DIR --format medusa --out DIR --bench outputs/eval/<run>
     python scripts/export.py RUN_DIR --format eagle3 --out DIR --push-to-hub me/smollm2-eagle3
-    python scripts/export.py RUN_DIR --format gguf --out DIR [--target-outtype f32]
+    python scripts/export.py RUN_DIR --format gguf --out DIR [--target-outtype f32] [--chain 7]
 
 RUN_DIR is what train.py wrote (its best_head/, else head/) or a head folder. Formats:
 native (draftsmith's own), eagle3 (vLLM / SGLang EAGLE-3), eagle (EAGLE-1/2), medusa (vLLM's
-Medusa), medusa_fd (FasterDecoding/Medusa). The folder gets config.json, model.safetensors and a
-model card, and is proved before it is written: it is re-imported and decoded greedily next to
-the head on a few prompts (same tokens, same tau), or the export fails and writes nothing.
+Medusa), medusa_fd (FasterDecoding/Medusa), dflash (z-lab's DFlash layout: vLLM, SGLang,
+llama.cpp's converter), speculators (vllm-project/speculators' DFlashSpeculator). The folder
+gets config.json, model.safetensors and a model card, and is proved before it is written: it is
+re-imported and decoded greedily next to the head on a few prompts (same tokens, same tau), or
+the export fails and writes nothing.
 --push-to-hub uploads it (private unless --public) with the token in HF_TOKEN.
-gguf (llama.cpp, EAGLE-3 drafts) writes draft-<outtype>.gguf through llama.cpp's converter and
-proves it in llama-server: drafted greedy output = llama.cpp's plain output (eval/gguf_export.py).
+gguf (llama.cpp, EAGLE-3 and DFlash drafts) writes draft-<outtype>.gguf through llama.cpp's
+converter and proves it in llama-server: drafted greedy output = llama.cpp's plain output
+(eval/gguf_export.py), with --chain draft tokens a step (a DFlash block of B drafts up to B-1).
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--public", action="store_true", help="a public repo (default: private)")
     parser.add_argument("--check-prompts", type=int, default=4)
     parser.add_argument("--check-tokens", type=int, default=32)
+    parser.add_argument(
+        "--chain", type=int, default=3, help="gguf: draft tokens a step in the proof (n-max)"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -91,6 +97,7 @@ def _export_gguf(args) -> int:
             target_outtype=args.target_outtype,
             check_prompts=args.check_prompts,
             check_tokens=args.check_tokens,
+            chain=args.chain,
             overwrite=args.overwrite,
         )
     except (ExportCheckError, EngineError, FileExistsError, FileNotFoundError, ValueError) as e:
