@@ -492,3 +492,131 @@ def test_gguf_export_of_a_run_is_proved_in_llama_cpp(tiny_setup, tmp_path):
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
     assert cli.main([str(run_dir), "--format", "gguf", "--out", str(out)]) == 1
+
+
+# ---- DFlash: a block drafter through llama.cpp's converter and --spec-type draft-dflash ----------
+
+DFLASH_BLOCK = 8
+DFLASH_IDS = [1, 5]  # z-lab ids (decoder-layer outputs); the GGUF records them + 1
+
+
+@pytest.fixture(scope="module")
+def dflash_setup(tmp_path_factory):
+    """(target, head, target_dir, target.gguf, draft.gguf): the tiny target above and a DFlash
+    draft (2 layers, block 8, a learned MASK vector) trained 80 steps on its own greedy answers,
+    both converted to f32 GGUF (the draft from the z-lab layout with mask_embedding.pt)."""
+    _need_server()
+    from hydra.utils import instantiate
+
+    import heads
+    from heads.interop.gguf import export_gguf, target_gguf
+    from heads.target import load_target
+    from train.run import run
+
+    root = tmp_path_factory.mktemp("llama_cpp_dflash")
+    target_dir = root / "target"
+    _save_tiny_target(target_dir)
+    overrides = [
+        "+experiment=dflash_tiny",
+        f"model.name_or_path={target_dir}",
+        "model.random_init=null",
+        "model.tokenizer=null",
+        f"head.block_size={DFLASH_BLOCK}",
+        "head.num_layers=2",
+        "head.num_anchors=32",
+        f"head.target_layer_ids={DFLASH_IDS}",
+        "head.learn_mask=true",
+        "data.sources=[]",
+        "+data.self_distill={enabled: true, prompts: [{path: data/corpora/oa_prompts_en/"
+        "prompts.jsonl, skip: 16, max_rows: 32}], max_new_tokens: 48, batch_size: 8, "
+        f"out: {root}/sd.jsonl}}",
+        "data.features=memory",
+        "trainer.max_steps=80",
+        "trainer.lr=3e-3",
+        "trainer.eval_every=0",
+        "trainer.save_every=0",
+        "evaluators=[]",
+        "trainer.best_metric=null",
+        "logger.mode=disabled",
+    ]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    torch.manual_seed(0)
+    result = run(cfg, run_dir=root / "run")
+    target = load_target(instantiate(cfg.model))
+    head = heads.from_pretrained(result.head_dir, target).eval()
+    target_file = target_gguf(target_dir, root / "target-f32.gguf", "f32")
+    draft_file = export_gguf(head, target, target_dir, root / "draft-f32.gguf", "f32")
+    return target, head, target_dir, target_file, draft_file
+
+
+def test_dflash_gguf_records_the_block_layers_and_mask(dflash_setup):
+    """llama.cpp's DFlashModel (conversion/qwen.py) writes dflash.block_size, dflash.target_layers
+    = z-lab ids + 1 and tokenizer.ggml.mask_token_id; with mask_embedding.pt it emits the target's
+    embedding, the learned vector in the mask row, and the target's lm_head as output."""
+    import gguf
+
+    target, head, _, _, draft_file = dflash_setup
+    reader = gguf.GGUFReader(str(draft_file))
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    assert fields["general.architecture"] == "dflash"
+    assert fields["dflash.block_size"] == DFLASH_BLOCK
+    assert fields["dflash.target_layers"] == [i + 1 for i in DFLASH_IDS]
+    assert fields["dflash.block_count"] == 2
+    assert fields["tokenizer.ggml.mask_token_id"] == head.config.mask_token_id
+    tensors = {t.name: t for t in reader.tensors}
+    per_layer = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm",
+                 "attn_k_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]  # fmt: skip
+    want = {f"blk.{i}.{n}.weight" for i in range(2) for n in per_layer}
+    want |= {"fc.weight", "enc.output_norm.weight", "output_norm.weight"}
+    want |= {"token_embd.weight", "output.weight"}  # from mask_embedding.pt and the target
+    assert set(tensors) == want
+    H, V = target.hidden_size, target.vocab_size
+    assert tensors["fc.weight"].shape.tolist() == [len(DFLASH_IDS) * H, H]  # ggml {in, out}
+    embed = torch.from_numpy(tensors["token_embd.weight"].data.copy()).reshape(V, H)
+    assert torch.equal(embed[head.config.mask_token_id], head.mask_embedding.detach().float())
+    others = torch.ones(V, dtype=torch.bool)
+    others[head.config.mask_token_id] = False
+    assert torch.equal(embed[others], target.embed_tokens.weight.detach().float()[others])
+
+
+def test_llama_cpp_dflash_speculative_equals_plain_and_acceptance_matches(dflash_setup):
+    target, head, _, target_file, draft_file = dflash_setup
+    chain = DFLASH_BLOCK - 1
+    prompts = _prompt_ids(target)
+    engine = {"cache_type": "f32", "flash_attn": "off"}
+    plain = _engine_runs(ServerConfig(model=str(target_file), **engine), prompts)
+    spec = _engine_runs(
+        ServerConfig(
+            model=str(target_file),
+            draft=str(draft_file),
+            spec_type="draft-dflash",
+            draft_n_max=chain,
+            **engine,
+        ),
+        prompts,
+    )
+    # lossless: llama.cpp's own plain output, except at a near tie of a batched verify
+    for ids, a, b in zip(prompts, plain, spec):
+        index = first_difference(a.tokens, b.tokens)
+        if index is not None:
+            gap, top1 = top2_gaps(target.model, torch.tensor([ids]), a.tokens)[index]
+            assert gap < NEAR_TIE * max(1.0, abs(top1)), (
+                f"llama.cpp DFlash draft changed the output at token {index}: top-2 gap {gap}"
+            )
+    # the block drafts are accepted in llama.cpp as in our harness (same chain, same prompts)
+    from eval.methods import head_method
+    from eval.tree import chain_paths
+
+    method = head_method(target, "head", head, chain_paths(chain))
+    harness = [method.generator.generate(torch.tensor([ids]), NEW_TOKENS) for ids in prompts]
+    h_acc = sum(r.new_tokens.numel() - 1 - len(r.accept_lengths) for r in harness)
+    e_acc = sum(c.draft_accepted for c in spec)
+    h_steps = sum(len(r.accept_lengths) for r in harness)
+    assert h_acc > 0.2 * h_steps, f"the tiny draft barely learned ({h_acc} in {h_steps} steps)"
+    assert abs(e_acc - h_acc) <= max(3, 0.1 * h_acc), (
+        f"accepted draft tokens: llama.cpp {e_acc}, harness {h_acc}"
+    )
+    (Path(target_file).parent / "parity.json").write_text(
+        json.dumps({"harness_accepted": h_acc, "llama_cpp_accepted": e_acc, "steps": h_steps})
+    )
