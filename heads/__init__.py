@@ -20,6 +20,7 @@ from heads.base import (
     ParallelDrafter,
 )
 from heads.dflash import DFlashConfig, DFlashHead
+from heads.dspark import DSparkConfig, DSparkHead
 from heads.eagle import EagleConfig, EagleHead
 from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.folder import HeadFolderError, is_foreign_head, read_head_config
@@ -32,6 +33,7 @@ HEAD_TYPES: tuple[type[DraftHead], ...] = (
     EagleHead,
     Eagle3Head,
     DFlashHead,
+    DSparkHead,
 )
 HEAD_CLASSES: dict[str, type[DraftHead]] = {cls.method: cls for cls in HEAD_TYPES}
 HUB_PREFIX = "hf://"  # heads.from_pretrained("hf://owner/name") downloads a Hub repo
@@ -116,6 +118,8 @@ __all__ = [
     "BlockDrafter",
     "DFlashConfig",
     "DFlashHead",
+    "DSparkConfig",
+    "DSparkHead",
     "HEAD_TYPES",
     "HUB_PREFIX",
     "DraftHead",
