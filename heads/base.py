@@ -156,9 +156,12 @@ class BlockDrafter(DraftHead, Protocol):
     new_cache() -> an empty cache (`.length`, `.crop(n)`);
     context(features) -> (..., H): the fused context rows of target features ("aux");
     extend_cache(cache, context, position_ids): append committed rows at those positions;
-    draft_block(anchor, position, cache) -> (B, block_size - 1, D): one forward over
-        [anchor, MASK, ...] at positions position, position + 1, ...; row k-1 scores the token
-        k places after the anchor. The cache is read, not changed.
+    draft_block(anchor, position, cache) -> (B, max_draft_depth, D): one forward over
+        [anchor, MASK, ...] at positions position, position + 1, ...; row d-1 scores the token
+        at depth d (d places after the anchor). The cache is read, not changed.
+    A head whose slots depend on the token drafted before them (DSpark's Markov head) also has
+    draft_chain(root, position, cache, depth, draft_temperature, generator), which the proposer
+    then uses for chains (eval/block_proposer.py).
     """
 
     block_size: int
