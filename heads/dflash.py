@@ -609,11 +609,14 @@ class DFlashHead(nn.Module):
         T = hidden.shape[1]
         where = torch.stack([(anchors + o - 1).clamp(max=T - 1) for o in offsets], -1)[ok]
         rows = hidden[ok.nonzero()[:, 0], where]  # (n, H)
-        full = F.linear(rows.to(self.target_lm_head.dtype), self.target_lm_head)
+        weight = self.target_lm_head
         if self.draft_vocab_size < self.target_info.vocab_size:
-            keep = self.draft_to_target(torch.arange(self.draft_vocab_size, device=rows.device))
-            full = full[:, keep]
-        return full.float().softmax(-1)
+            # softmax over the draft vocabulary's rows only: the renormalised distribution,
+            # without projecting onto the whole vocabulary
+            weight = weight[
+                self.draft_to_target(torch.arange(self.draft_vocab_size, device=rows.device))
+            ]
+        return F.linear(rows.to(weight.dtype), weight).float().softmax(-1)
 
     def position_weights(self, per_slot: Tensor, ok: Tensor, first: int) -> Tensor:
         """Loss weights (B, N, K) of the scored slots, without gradient. "decay": slot i (the
