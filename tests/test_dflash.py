@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -491,3 +492,55 @@ def test_init_from_target_copies_the_layers_after_the_deepest_fused_one(target):
         src = layers[2]
         want = F.linear(src.input_layernorm(states[2]), src.self_attn.k_proj.weight)
         torch.testing.assert_close(head.layers[0].self_attn.k_proj(ctx), want, atol=1e-5, rtol=1e-4)
+
+
+# ---- the training paths users launch -------------------------------------------------------
+
+
+@pytest.mark.parametrize("features", ["online", "memory", "disk"])
+def test_dflash_trains_in_every_feature_mode(features, tmp_path):
+    from hydra import compose, initialize_config_dir
+    from test_experiments import SMALL
+
+    import heads
+    from heads.target import load_target
+    from train.run import run
+
+    overrides = ["+experiment=dflash_tiny", *SMALL, f"data.features={features}",
+                 f"data.feature_cache={tmp_path}/features", "trainer.pack_tokens=256"]  # fmt: skip
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    result = run(cfg, run_dir=tmp_path)
+    assert result.step == 2 and math.isfinite(result.val_metrics["val/loss"])
+    assert result.val_metrics["val/slot1/top1"] >= 0
+    target = load_target(__import__("hydra").utils.instantiate(cfg.model))
+    assert type(heads.from_pretrained(tmp_path / "head", target)) is DFlashHead
+
+
+def test_dflash_under_accelerate_launch(tmp_path):
+    """train.py with a DFlash head on 2 CPU processes (gloo): anchors are drawn per rank, the
+    gathered validation and the one written head come out."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_multiprocess import REPO, free_port
+
+    args = ["train.py", "+experiment=dflash_tiny", "trainer.max_steps=2", "trainer.eval_every=2",
+            "trainer.save_every=2", "data.features=online", "logger.mode=disabled",
+            f"hydra.run.dir={tmp_path}"]  # fmt: skip
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"}  # fmt: skip
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+              "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+              "--dynamo_backend", "no", "--main_process_port", str(free_port())]  # fmt: skip
+    proc = subprocess.run(
+        [*launch, *args], env=env, capture_output=True, text=True, timeout=600, cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    from train.checkpoint import list_checkpoints, load_checkpoint
+
+    (step, path), *_ = list_checkpoints(tmp_path)
+    assert step == 2 and len(load_checkpoint(path).rng) == 2  # one entry per process
+    assert (tmp_path / "head").is_dir()
