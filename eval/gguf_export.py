@@ -27,7 +27,14 @@ import torch
 
 from data.engines.llama_cpp import LlamaServer, ServerConfig
 from eval.bench import first_difference
-from eval.export import CHECK_PROMPTS, ExportCheckError, _load_target, find_head, run_context
+from eval.export import (
+    CHECK_PROMPTS,
+    ExportCheckError,
+    _embedded_alias,
+    _load_target,
+    find_head,
+    run_context,
+)
 from eval.tree_spec import resolve_tree
 from heads.base import atomic_save_dir
 
@@ -144,7 +151,9 @@ def export_gguf_run(
     target = _load_target(head_dir, context)
     head = heads.from_pretrained(head_dir, target).eval()
     spec_type = spec_type_for(head)
-    model = dict(context.get("config", {}).get("model") or {"name_or_path": target.name_or_path})
+    # a head folder without its run dir records its target's Hub id: the embedded copy's alias
+    recorded = {"name_or_path": _embedded_alias(target.name_or_path)}
+    model = dict(context.get("config", {}).get("model") or recorded)
     model_cfg = target_config(model)
     target_dir, _ = resolve_source(model_cfg)
     found: dict = {}

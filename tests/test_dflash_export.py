@@ -416,11 +416,11 @@ def test_deepspec_checkpoints_are_refused_as_anchor_sampled(markov_rank, kind, t
         heads.from_pretrained(folder, target)
 
 
-def test_dspark_layouts_are_refused_until_there_is_a_dspark_head(tmp_path):
+def test_other_dspark_layouts_are_refused(tmp_path):
     folder = tmp_path / "dspark"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"architectures": ["DSparkSpeculator"]}))
-    with pytest.raises(HeadMismatchError, match="no DSpark head"):
+    (folder / "config.json").write_text(json.dumps({"architectures": ["DSparkDraftModel"]}))
+    with pytest.raises(HeadMismatchError, match="does not read"):
         interop.detect_format(folder)
 
 
@@ -432,3 +432,85 @@ def test_only_the_formats_a_head_declares_are_written(target, tmp_path):
     with pytest.raises(ValueError, match="cannot be exported as 'dflash'"):
         interop.export_draft(eagle3, target, "dflash", tmp_path / "d")
     assert dataclasses.is_dataclass(DFlashConfig)
+
+
+# ---- DSpark in speculators' layout ----------------------------------------------------------
+
+
+@pytest.fixture
+def dspark_exportable(monkeypatch):
+    """DSparkHead with the speculators format switched on (its class lists only native until
+    heads/dspark.py declares it)."""
+    from heads.dspark import DSparkHead
+
+    monkeypatch.setattr(DSparkHead, "export_formats", ("native", "speculators"))
+    return DSparkHead
+
+
+def _dspark(target, **kw):
+    from heads.dspark import DSparkConfig, DSparkHead
+
+    kw = {"block_size": 5, "markov_rank": 8, "target_layer_ids": IDS, "mask_token_id": MASK, **kw}
+    counts = torch.arange(target.vocab_size).float()
+    head = DSparkHead.for_target(DSparkConfig(**kw), target, token_counts=counts)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    return head.eval()
+
+
+# Sources: vllm-project/speculators models/dspark/config.py (DSparkSpeculatorConfig:
+# architectures ["DSparkSpeculator"], sample_from_anchor true, markov_rank, markov_head_type,
+# enable_confidence_head, confidence_head_with_markov), models/dflash/core.py
+# (_build_base_config_kwargs: speculative_tokens = block_size when sampling from the anchor),
+# models/dspark/model_definitions.py (markov_head.markov_w1 [V, r], markov_head.markov_w2 [D, r],
+# confidence_head.proj [1, H + r] + bias); llama.cpp conversion/qwen.py DSparkModel reads it.
+def test_dspark_speculators_schema(dspark_exportable, target, tmp_path):
+    head = _dspark(target)
+    interop.export_draft(head, target, "speculators", tmp_path / "s")
+    config, _, shapes, _ = _files(tmp_path / "s")
+    assert config["architectures"] == ["DSparkSpeculator"]
+    assert config["speculators_model_type"] == config["speculators_config"]["algorithm"] == "dspark"
+    assert config["sample_from_anchor"] is True
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+    assert {k: config[k] for k in ("markov_rank", "markov_head_type", "enable_confidence_head",
+                                   "confidence_head_with_markov")} == {
+        "markov_rank": 8, "markov_head_type": "vanilla", "enable_confidence_head": True,
+        "confidence_head_with_markov": True}  # fmt: skip
+    assert shapes == {
+        **_body(),
+        "embed_tokens.weight": (F32, (V, H)),
+        "lm_head.weight": (F32, (V, H)),
+        "markov_head.markov_w1.weight": (F32, (V, 8)),
+        "markov_head.markov_w2.weight": (F32, (V, 8)),
+        "confidence_head.proj.weight": (F32, (1, H + 8)),
+        "confidence_head.proj.bias": (F32, (1,)),
+    }
+
+
+@pytest.mark.parametrize("kw", [{}, {"learn_mask": False, "draft_vocab_size": 100},
+                                {"enable_confidence_head": False}])  # fmt: skip
+def test_dspark_speculators_round_trip(kw, dspark_exportable, target, tmp_path):
+    head = _dspark(target, **kw)
+    interop.export_draft(head, target, "speculators", tmp_path / "s")
+    back = heads.from_pretrained(tmp_path / "s", target)
+    assert type(back) is dspark_exportable and back.config == head.config
+    _same_tensors(head, back)
+
+
+def test_dspark_without_anchor_sampling_is_refused(dspark_exportable, target, tmp_path):
+    interop.export_draft(_dspark(target), target, "speculators", tmp_path / "s")
+    doc = json.loads((tmp_path / "s" / "config.json").read_text())
+    (tmp_path / "s" / "config.json").write_text(json.dumps(doc | {"sample_from_anchor": False}))
+    with pytest.raises(HeadMismatchError, match="sample_from_anchor=false"):
+        interop.import_draft(tmp_path / "s", target)
+
+
+def test_gguf_sources_and_spec_types(dspark_exportable, target):
+    from heads.interop.gguf import gguf_source_format, spec_type_for
+
+    assert gguf_source_format(_head(target)) == "dflash"
+    assert spec_type_for(_head(target)) == "draft-dflash"
+    assert gguf_source_format(_dspark(target)) == "speculators"
+    assert spec_type_for(_dspark(target)) == "draft-dspark"

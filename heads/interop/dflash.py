@@ -28,11 +28,13 @@ from torch import Tensor
 from heads.base import CONFIG_NAME, HeadMismatchError, TargetInfo
 from heads.dflash import DFlashConfig, DFlashHead, build_target_layer_ids
 from heads.draft_layer import LayerSpec
+from heads.dspark import DSparkConfig, DSparkHead
 from heads.folder import HeadFolderError
 from heads.vocab import d2t_t2d, saved_draft_ids
 
 ZLAB_ARCH = "DFlashDraftModel"
 SPECULATORS_ARCH = "DFlashSpeculator"
+DSPARK_SPECULATORS_ARCH = "DSparkSpeculator"
 DEEPSPEC_ARCHS = ("Qwen3DSparkModel",)
 MASK_EMBEDDING = "mask_embedding.pt"  # read by llama.cpp's DFlashModel.generate_extra_tensors
 ZLAB_AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}  # what SpecForge checks
@@ -133,9 +135,12 @@ def export_speculators(head: DFlashHead, target):
     c, V, D = head.config, target.vocab_size, head.draft_vocab_size
     hf = target.model.config
     layer = qwen3_keys(head, target)
+    # DSpark (models/dspark/config.py): every slot drafts, from the anchor on
+    dspark = isinstance(head, DSparkHead)
+    kind = DSparkHead.method if dspark else DFlashHead.method
     config = {
-        "architectures": [SPECULATORS_ARCH],
-        "speculators_model_type": "dflash",
+        "architectures": [DSPARK_SPECULATORS_ARCH if dspark else SPECULATORS_ARCH],
+        "speculators_model_type": kind,
         "speculators_version": SPECULATORS_VERSION,
         "transformer_layer_config": layer,
         "draft_vocab_size": D,
@@ -144,13 +149,13 @@ def export_speculators(head: DFlashHead, target):
         "aux_hidden_state_layer_ids": [i + 1 for i in c.target_layer_ids],
         "mask_token_id": c.mask_token_id,
         "sliding_window_non_causal": False,
-        "sample_from_anchor": False,
+        "sample_from_anchor": dspark,
         "speculators_config": {
-            "algorithm": "dflash",
+            "algorithm": kind,
             "proposal_methods": [
                 {
                     "proposal_type": "greedy",
-                    "speculative_tokens": c.block_size - 1,
+                    "speculative_tokens": head.max_draft_depth,
                     "verifier_accept_k": 1,
                     "accept_tolerance": 0.0,
                 }
@@ -166,6 +171,13 @@ def export_speculators(head: DFlashHead, target):
         },
         "dtype": layer["dtype"],
     }
+    if dspark:
+        config |= {
+            "markov_rank": c.markov_rank,
+            "markov_head_type": c.markov_head_type,
+            "enable_confidence_head": head.confidence_head is not None,
+            "confidence_head_with_markov": True,  # ours reads [h; markov_w1(prev)]
+        }
     tensors = _body(head)
     embed = target.embed_tokens.weight.detach().cpu().clone()
     if head.mask_embedding is not None:  # speculators embeds the block with this very table
@@ -257,9 +269,11 @@ def _build(doc, tensors, target, path, fmt, spec, **fields) -> DFlashHead:
 
     draft_ids = fields.pop("draft_ids", None)
     mask_vector = fields.pop("mask_vector", None)
+    config_class = fields.pop("config_class", DFlashConfig)
+    head_class = DSparkHead if config_class is DSparkConfig else DFlashHead
     V = target.vocab_size
     D = V if draft_ids is None else draft_ids.numel()
-    config = _config(DFlashConfig, doc, draft_vocab_size=D if D < V else None, **fields)
+    config = _config(config_class, doc, draft_vocab_size=D if D < V else None, **fields)
     fc = tensors["fc.weight"]
     if fc.shape[1] != len(config.target_layer_ids) * target.hidden_size:
         _refuse(
@@ -267,7 +281,7 @@ def _build(doc, tensors, target, path, fmt, spec, **fields) -> DFlashHead:
             f"fc.weight {tuple(fc.shape)} does not fuse the {len(config.target_layer_ids)} "
             f"layers {config.target_layer_ids} of width {target.hidden_size}.",
         )
-    head = DFlashHead(
+    head = head_class(
         config,
         TargetInfo.of(target),
         spec,
@@ -353,10 +367,10 @@ def _read_mask_file(folder: Path, mask_id: int, hidden: int) -> Tensor | None:
 
 
 def import_speculators(doc, tensors, target, path) -> DFlashHead:
-    """A speculators DFlashSpeculator folder as a DFlashHead."""
-    from heads.interop.load import _drop_target_copy
-
+    """A speculators DFlashSpeculator (or DSparkSpeculator) folder as our head."""
     layer = dict(doc.get("transformer_layer_config") or {})
+    if doc.get("speculators_model_type") == DSparkHead.method:
+        return _import_dspark_speculators(doc, tensors, target, path, layer)
     if doc.get("sample_from_anchor"):
         _refuse(
             path,
@@ -364,6 +378,33 @@ def import_speculators(doc, tensors, target, path) -> DFlashHead:
             "(all B slots draft), and DFlashHead's slot k predicts the token k places after it; "
             "it cannot be loaded as a DFlash head.",
         )
+    return _import_speculators_body(doc, tensors, target, path, layer, DFlashConfig, {})
+
+
+def _import_dspark_speculators(doc, tensors, target, path, layer):
+    """A speculators DSparkSpeculator folder as a DSparkHead (vanilla Markov head, confidence
+    head on [h; markov_w1(prev)], blocks sampled from the anchor)."""
+    if doc.get("sample_from_anchor") is False:
+        _refuse(
+            path,
+            "a DSpark draft with sample_from_anchor=false (slot 0 undrafted): DSparkHead drafts "
+            "every slot from the anchor on, so it cannot represent it.",
+        )
+    if doc.get("markov_head_type", "vanilla") != "vanilla":
+        _refuse(path, f"markov_head_type {doc['markov_head_type']!r}: only 'vanilla' is read.")
+    conf = bool(doc.get("enable_confidence_head", True))
+    if conf and doc.get("confidence_head_with_markov") is False:
+        _refuse(path, "its confidence head reads h only; DSparkHead's reads [h; markov_w1(prev)].")
+    w1 = tensors.get("markov_head.markov_w1.weight")
+    if w1 is None:
+        _refuse(path, "no markov_head.markov_w1.weight: not a complete DSpark draft.")
+    fields = {"markov_rank": int(w1.shape[1]), "enable_confidence_head": conf}
+    return _import_speculators_body(doc, tensors, target, path, layer, DSparkConfig, fields)
+
+
+def _import_speculators_body(doc, tensors, target, path, layer, config_class, extra: dict):
+    from heads.interop.load import _drop_target_copy
+
     _check_sizes(layer, tensors, target, path, doc)
     spec, width = _spec_for(layer, target, path)
     for name in ("verifier_lm_head.weight", "verifier_norm.weight"):
@@ -394,7 +435,7 @@ def import_speculators(doc, tensors, target, path) -> DFlashHead:
         num_layers=int(layer.get("num_hidden_layers") or 1), block_size=_block_size(doc, path),
         target_layer_ids=ids, mask_token_id=mask_id, draft_ids=draft_ids,
         learn_mask=vector is not None or bool(recorded), intermediate_size=width,
-        mask_vector=vector,
+        mask_vector=vector, config_class=config_class, **extra,
     )  # fmt: skip
     return head
 
@@ -442,7 +483,9 @@ def refuse_deepspec(doc, tensors, target, path):
 def speculators_kind(doc: dict) -> str | None:
     """'speculators' for a DFlashSpeculator config, else None."""
     archs = doc.get("architectures") or []
-    if SPECULATORS_ARCH in archs or doc.get("speculators_model_type") == "dflash":
+    if {SPECULATORS_ARCH, DSPARK_SPECULATORS_ARCH} & set(archs):
+        return "speculators"
+    if doc.get("speculators_model_type") in (DFlashHead.method, DSparkHead.method):
         return "speculators"
     return None
 

@@ -24,33 +24,35 @@ from data.engines.llama_cpp import convert_to_gguf
 from heads.interop.export import export_draft, formats_for
 
 # head format written before conversion -> llama.cpp's --spec-type for the resulting GGUF
-GGUF_SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash"}
+# head method -> llama.cpp's --spec-type, and the layout its converter reads for that method
+GGUF_SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash", "dspark": "draft-dspark"}
+GGUF_SOURCE_FORMATS = {"eagle3": "eagle3", "dflash": "dflash", "dspark": "speculators"}
 DRAFT_GGUF = "draft.gguf"
 
 
 def gguf_source_format(head) -> str:
     """The serving layout a head is converted from, or a clear refusal."""
-    for fmt in formats_for(head):
-        if fmt in GGUF_SPEC_TYPES:
-            if fmt == "dflash" and head.draft_vocab_size < head.target_info.vocab_size:
-                raise ValueError(
-                    f"this DFlash head scores a reduced vocabulary ({head.draft_vocab_size} of "
-                    f"{head.target_info.vocab_size} tokens, with its own lm_head), but "
-                    "llama.cpp's DFlash drafts use the target's output head. Train with "
-                    "head.draft_vocab_size=null for llama.cpp, or export it with --format "
-                    "speculators for vLLM."
-                )
-            return fmt
-    raise ValueError(
-        f"llama.cpp serves no {type(head).__name__} drafts: GGUF export takes EAGLE-3 and "
-        "DFlash heads. Export this head as one of "
-        f"{', '.join(formats_for(head))} for vLLM/SGLang instead."
-    )
+    fmt = GGUF_SOURCE_FORMATS.get(head.method)
+    if fmt not in formats_for(head):
+        raise ValueError(
+            f"llama.cpp serves no {type(head).__name__} drafts: GGUF export takes EAGLE-3, "
+            "DFlash and DSpark heads. Export this head as one of "
+            f"{', '.join(formats_for(head))} for vLLM/SGLang instead."
+        )
+    if fmt == "dflash" and head.draft_vocab_size < head.target_info.vocab_size:
+        raise ValueError(
+            f"this DFlash head scores a reduced vocabulary ({head.draft_vocab_size} of "
+            f"{head.target_info.vocab_size} tokens, with its own lm_head), but llama.cpp's "
+            "DFlash drafts use the target's output head. Train with head.draft_vocab_size=null "
+            "for llama.cpp, or export it with --format speculators for vLLM."
+        )
+    return fmt
 
 
 def spec_type_for(head) -> str:
     """The llama-server `--spec-type` that serves this head's GGUF."""
-    return GGUF_SPEC_TYPES[gguf_source_format(head)]
+    gguf_source_format(head)  # refuses what llama.cpp cannot serve
+    return GGUF_SPEC_TYPES[head.method]
 
 
 def export_gguf(
@@ -71,7 +73,34 @@ def export_gguf(
     with tempfile.TemporaryDirectory(prefix="draftsmith-gguf-") as tmp:
         layout = Path(tmp) / fmt
         export_draft(head, target, fmt, layout)
+        if fmt == "speculators":
+            _leave_target_tensors_to_llama_cpp(head, target, layout)
         return convert_to_gguf(layout, out_file, outtype, target_model_dir=target_dir)
+
+
+def _leave_target_tensors_to_llama_cpp(head, target, layout: Path) -> None:
+    """llama.cpp's DSpark converter drops a full-vocabulary lm_head but keeps embed_tokens, and
+    the runtime then scores with that table (token_embd stands in for a missing output): right
+    for a tied target only. Drop the target's own copies so that the runtime borrows the
+    target's embedding and output head; keep embed_tokens only to carry a learned MASK row, and
+    only on a tied target (its output differs from the target's at the mask token's row)."""
+    from safetensors.torch import load_file, save_file
+
+    file = layout / "model.safetensors"
+    tensors = load_file(str(file))
+    full = head.draft_vocab_size == target.vocab_size
+    if full:
+        tensors.pop("lm_head.weight", None)
+    if getattr(head, "mask_embedding", None) is None:
+        tensors.pop("embed_tokens.weight", None)
+    elif full and not bool(getattr(target.model.config, "tie_word_embeddings", False)):
+        raise ValueError(
+            "this draft learned its MASK vector, which llama.cpp's DSpark converter can only "
+            "carry in the draft's token embedding, and the runtime would then also score with "
+            "that table instead of this untied target's lm_head. Train with "
+            "head.learn_mask=false for llama.cpp, or serve the speculators export in vLLM."
+        )
+    save_file(tensors, str(file), {"format": "pt"})
 
 
 def target_gguf(

@@ -82,7 +82,7 @@ def _tensor_names(path) -> set[str]:
 
 
 # DSpark layouts, not read until draftsmith has a DSpark head
-DSPARK_ARCHS = ("DSparkDraftModel", "DSparkSpeculator", "Lfm2DSparkDraftModel", "LingDSparkModel")
+DSPARK_ARCHS = ("DSparkDraftModel", "Lfm2DSparkDraftModel", "LingDSparkModel")
 
 
 def detect_format(path) -> str:
@@ -97,10 +97,10 @@ def detect_format(path) -> str:
         return speculators_kind(doc)
     if any(a in DEEPSPEC_ARCHS for a in archs):
         return "deepspec"
-    if any(a in DSPARK_ARCHS for a in archs) or doc.get("speculators_model_type") == "dspark":
+    if any(a in DSPARK_ARCHS for a in archs):
         raise HeadMismatchError(
-            f"{path}: a DSpark draft ({', '.join(archs) or 'speculators dspark'}): draftsmith "
-            "has no DSpark head to load it into yet; serve it in llama.cpp (--spec-type "
+            f"{path}: a DSpark draft in the {', '.join(archs)} layout, which draftsmith does not "
+            "read (it reads speculators' DSparkSpeculator); serve it in llama.cpp (--spec-type "
             "draft-dspark) or the tool that trained it."
         )
     if "medusa_num_heads" in doc:
