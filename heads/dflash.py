@@ -159,7 +159,12 @@ def default_mask_token(tokenizer) -> int | None:
         getattr(tokenizer, name, None)
         for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
     }
-    specials = sorted(set(getattr(tokenizer, "all_special_ids", []) or []) - reserved, reverse=True)
+    specials = set(getattr(tokenizer, "all_special_ids", []) or [])
+    # tokens the tokenizer marks special without naming them a role (SmolLM2's StarCoder
+    # metadata tokens <filename>, <empty_output>, ... are not in all_special_ids)
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    specials |= {int(i) for i, token in added.items() if getattr(token, "special", False)}
+    specials = sorted(specials - reserved, reverse=True)
     if not specials:
         return None
     used: set[int] = set()

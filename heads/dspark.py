@@ -143,7 +143,7 @@ class DSparkHead(DFlashHead):
     config_class = DSparkConfig
     title = "DSpark block drafter"
     hub_tag = "dspark"
-    export_formats = ("native",)
+    export_formats = ("native", "speculators")
     export_note = ""
     drafting = BlockDrafter
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import diverse, make_llama, make_qwen2, make_tokenizer
+from tokenizers import AddedToken
 
 from eval import kv_cache
 from eval.block_proposer import BlockProposer
@@ -114,6 +115,10 @@ def test_default_mask_token_is_a_special_token_the_template_never_writes():
     assert default_mask_token(tok) == mask
     rendered = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True)
     assert mask not in rendered
+    # a token marked special without a role (as SmolLM2's <empty_output>) counts too
+    plain = make_tokenizer()
+    plain.add_tokens([AddedToken("<meta>", special=True)])
+    assert default_mask_token(plain) == plain.convert_tokens_to_ids("<meta>")
 
 
 def test_config_errors(tiny_llama):
@@ -123,9 +128,7 @@ def test_config_errors(tiny_llama):
         DFlashConfig(loss="mse")
     with pytest.raises(ValueError, match=r"must lie in \[0, 0\]"):
         DFlashHead.for_target(DFlashConfig(target_layer_ids=[1]), tiny_llama)
-    no_pad = make_tokenizer()
-    no_pad.pad_token = None
-    target = Target.from_model(make_llama(), no_pad, name_or_path="t")
+    target = Target.from_model(make_llama(), None, name_or_path="t")  # no tokenizer at all
     with pytest.raises(ValueError, match="set head.mask_token_id"):
         DFlashHead.for_target(DFlashConfig(learn_mask=False), target)
     head = DFlashHead.for_target(DFlashConfig(block_size=3), tiny_llama)
