@@ -8,7 +8,8 @@ backbone (heads/dflash.py) with three changes.
   target vocabulary and markov_w2 = Linear(r, D) onto the draft vocabulary. prev_0 is the anchor;
   prev_k is x_{a+k} in training (the data's token) and the token drafted at slot k-1 in drafting.
   So the backbone runs once per block and only this rank-r bias is applied slot by slot: the
-  block's tokens are no longer independent of each other, at almost no cost.
+  block's tokens are no longer independent of each other, at almost no cost. markov_rank=0
+  drops it (and the confidence head): DeepSpec's DFlash, an anchor-sampled DFlash backbone.
 - A confidence head: sigmoid(proj([h_k; markov_w1(prev_k)])), h_k the block's normed output at
   slot k, estimates the chance that slot k's token is accepted given that the slots before it
   were. Drafting stops before the first slot whose confidence is below `confidence_threshold`
@@ -51,6 +52,8 @@ class DSparkConfig(DFlashConfig):
     # r: rank of the Markov bias. DeepSpec uses 256 on 4B-14B targets (V = 151k); its tables hold
     # 2 V r weights, so on SmolLM2-135M (V = 49k, a 2-layer backbone of ~7M weights) 64 keeps them
     # (6.3M) the backbone's size instead of 3.5 times it, within what a short run can fit.
+    # 0: no Markov head, the anchor-sampled DFlash of DeepSpec's config/dflash/*.py (needs
+    # enable_confidence_head=false: the confidence head reads the Markov embedding).
     markov_rank: int = 64
     markov_head_type: str = "vanilla"  # the only type here (and the only one llama.cpp reads)
     enable_confidence_head: bool = True
@@ -69,10 +72,16 @@ class DSparkConfig(DFlashConfig):
                 "l1_weight * L1(draft, target) + confidence_weight * BCE: set those weights "
                 "(and leave head.loss at ce)."
             )
-        if self.markov_rank < 1:
+        if self.markov_rank < 0:
             raise ValueError(
-                f"head.markov_rank={self.markov_rank}: use 1 or more (64 suits a 135M target; "
-                "a block drafter without a Markov head is method dflash)."
+                f"head.markov_rank={self.markov_rank}: use 1 or more (64 suits a 135M target), "
+                "or 0 for no Markov head."
+            )
+        if self.markov_rank == 0 and self.enable_confidence_head:
+            raise ValueError(
+                "head.markov_rank=0 (no Markov head) with the confidence head, which reads "
+                "[h; markov_w1(prev)]: set head.enable_confidence_head=false, or a rank of 1 or "
+                "more."
             )
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
             raise ValueError(
@@ -158,7 +167,9 @@ class DSparkHead(DFlashHead):
     ):
         super().__init__(config, target_info, spec, embed_weight, lm_head_weight, draft_ids)
         r = config.markov_rank
-        self.markov_head = MarkovHead(target_info.vocab_size, self.draft_vocab_size, r)
+        self.markov_head = None  # rank 0: the backbone's logits alone (DeepSpec's DFlash)
+        if r > 0:
+            self.markov_head = MarkovHead(target_info.vocab_size, self.draft_vocab_size, r)
         self.confidence_head = None
         if config.enable_confidence_head:
             self.confidence_head = ConfidenceHead(target_info.hidden_size, r)
@@ -169,10 +180,17 @@ class DSparkHead(DFlashHead):
 
     # ---- the pieces shared by training and drafting --------------------------------------
 
-    def slot_logits(self, hidden: Tensor, embedding: Tensor) -> Tensor:
+    def markov_embed(self, prev: Tensor) -> Tensor | None:
+        """Previous tokens' Markov embeddings (...,) -> (..., r); None without a Markov head."""
+        return None if self.markov_head is None else self.markov_head.embed(prev)
+
+    def slot_logits(self, hidden: Tensor, embedding: Tensor | None) -> Tensor:
         """Float draft-vocabulary logits of block slots: normed outputs (..., H) plus the Markov
-        bias of their previous tokens' embeddings (..., r) -> (..., D)."""
-        return self.logits(hidden).float() + self.markov_head.bias(embedding)
+        bias of their previous tokens' embeddings (..., r) (none at rank 0) -> (..., D)."""
+        logits = self.logits(hidden).float()
+        if embedding is None:
+            return logits
+        return logits + self.markov_head.bias(embedding)
 
     def confidence(self, hidden: Tensor, embedding: Tensor) -> Tensor:
         """The confidence logits (...,) of block slots (needs the confidence head)."""
@@ -188,7 +206,7 @@ class DSparkHead(DFlashHead):
         prev = anchor.to(hidden.device)
         rows = []
         for k in range(self.block_size):
-            z = self.slot_logits(hidden[:, k], self.markov_head.embed(prev))  # (B, D)
+            z = self.slot_logits(hidden[:, k], self.markov_embed(prev))  # (B, D)
             rows.append(z)
             prev = self.draft_to_target(z.argmax(-1))
         return torch.stack(rows, dim=1)
@@ -221,7 +239,7 @@ class DSparkHead(DFlashHead):
         tokens: list[Tensor] = []
         dists: list[Tensor] = []
         for k in range(depth):
-            embedding = self.markov_head.embed(prev)  # (r,)
+            embedding = self.markov_embed(prev)  # (r,) or None
             if threshold > 0:
                 chance = torch.sigmoid(self.confidence(hidden[k], embedding))
                 if float(chance) < threshold:
@@ -267,7 +285,7 @@ class DSparkHead(DFlashHead):
         anchor_ids = torch.gather(batch["input_ids"].to(anchors.device), 1, anchors)  # (B, N)
         prev = torch.cat([anchor_ids[..., None], labels[..., :-1]], dim=-1)  # (B, N, Bk)
         rows = hidden[ok]  # (n, H)
-        embedding = self.markov_head.embed(prev[ok])  # (n, r)
+        embedding = self.markov_embed(prev[ok])  # (n, r) or None
         logits = self.slot_logits(rows, embedding)
         conf = None if self.confidence_head is None else self.confidence(rows, embedding)
         return ok, labels, logits, conf

@@ -1,5 +1,6 @@
 """DFlash exports (heads/interop/dflash.py): z-lab's layout (`dflash`), speculators'
-(`speculators`), and the DeepSpec checkpoints we refuse, on tiny random 4-layer targets.
+(`speculators`), on tiny random 4-layer targets (DeepSpec's checkpoints, read as DSpark heads:
+tests/test_deepspec_import.py).
 
 The schema tests pin each layout as the reference code reads and writes it; the source of each
 key and tensor is named beside the test (snapshots: z-lab/dflash 44947fb, vllm-project/speculators
@@ -397,23 +398,6 @@ def test_anchor_sampled_speculators_drafts_are_refused(target, tmp_path):
     (folder / "config.json").write_text(json.dumps(doc))
     with pytest.raises(HeadMismatchError, match="sliding"):
         interop.import_draft(folder, target)
-
-
-@pytest.mark.parametrize("markov_rank, kind", [(0, "DFlash"), (256, "DSpark")])
-def test_deepspec_checkpoints_are_refused_as_anchor_sampled(markov_rank, kind, target, tmp_path):
-    """DeepSpec's build_draft_config (deepspec/modeling/dspark/qwen3/config.py): the target's
-    Qwen3 config plus architectures ["Qwen3DSparkModel"], block_size, mask_token_id,
-    target_layer_ids at the top level, markov_rank (0 in its DFlash configs)."""
-    folder = tmp_path / "deepspec"
-    folder.mkdir()
-    doc = {**QWEN3_KEYS, "architectures": ["Qwen3DSparkModel"], "block_size": 7,
-           "mask_token_id": MASK, "target_layer_ids": IDS, "num_target_layers": 4,
-           "markov_rank": markov_rank, "enable_confidence_head": markov_rank > 0}  # fmt: skip
-    (folder / "config.json").write_text(json.dumps(doc))
-    save_file({"fc.weight": torch.zeros(H, 2 * H)}, str(folder / "model.safetensors"))
-    assert interop.detect_format(folder) == "deepspec"
-    with pytest.raises(HeadMismatchError, match=f"DeepSpec {kind}.*anchor-sampled"):
-        heads.from_pretrained(folder, target)
 
 
 def test_other_dspark_layouts_are_refused(tmp_path):

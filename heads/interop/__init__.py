@@ -22,7 +22,10 @@ Formats (`FORMATS`), each a folder with `config.json` and one weights file:
   keys plus `block_size`, `num_target_layers`, `dflash_config`; unprefixed `layers.*`, `fc`,
   `hidden_norm`, `norm`, and `mask_embedding.pt` for a learned MASK vector
   (heads/interop/dflash.py).
-- `speculators`: a DFlash draft as vllm-project/speculators saves it (`DFlashSpeculator`).
+- `speculators`: a DFlash draft as vllm-project/speculators saves it (`DFlashSpeculator`), and a
+  DSpark one (`DSparkSpeculator`).
+- `deepspec` (read only): deepseek-ai/DeepSpec's `Qwen3DSparkModel` checkpoints, DSpark and its
+  anchor-sampled DFlash, imported as DSparkHeads (heads/interop/deepspec.py).
 
 `import_draft` reads any of these (and SafeAILab / SpecForge EAGLE checkpoints: `midlayer.*`,
 `pytorch_model.bin`, a `model.` prefix) into our head classes, onto a given target.
@@ -34,7 +37,7 @@ The package: `export.py` writes the layouts, `load.py` reads them back.
 from __future__ import annotations
 
 FORMATS = ("native", "eagle3", "eagle", "medusa", "medusa_fd", "dflash", "speculators")
-READ_FORMATS = (*FORMATS, "deepspec")  # what detect_format names (deepspec: to refuse it)
+READ_FORMATS = (*FORMATS, "deepspec")  # what detect_format names and import_draft reads
 # The engine releases each layout was checked against (also written into config.json).
 ENGINE_VERSIONS = {
     "eagle3": {"vllm": "0.33", "sglang": "0.5.23"},

@@ -13,9 +13,9 @@
   (plus `d2t`/`t2d` for a reduced vocabulary). speculators embeds the block with its saved
   `embed_tokens`, so a learned MASK vector is written into that table's `mask_token_id` row: exact
   in speculators' own model.
-- DeepSpec (`Qwen3DSparkModel`, also its DFlash checkpoints) is read only to refuse it: its blocks
-  are anchor-sampled (slot k predicts the token k+1 places after the anchor, all B slots draft),
-  which our DFlashHead (slot k predicts the token k places after it) cannot represent.
+- DeepSpec (`Qwen3DSparkModel`, its DSpark and its DFlash checkpoints) is anchor-sampled (slot k
+  predicts the token k+1 places after the anchor, all B slots draft): heads/interop/deepspec.py
+  reads it as a DSparkHead (markov_rank=0 for its DFlash ones).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from heads.vocab import d2t_t2d, saved_draft_ids
 ZLAB_ARCH = "DFlashDraftModel"
 SPECULATORS_ARCH = "DFlashSpeculator"
 DSPARK_SPECULATORS_ARCH = "DSparkSpeculator"
-DEEPSPEC_ARCHS = ("Qwen3DSparkModel",)
 MASK_EMBEDDING = "mask_embedding.pt"  # read by llama.cpp's DFlashModel.generate_extra_tensors
 ZLAB_AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}  # what SpecForge checks
 # the speculators release whose schema the layout follows (source read at c05b95b, Aug 2026)
@@ -137,6 +136,12 @@ def export_speculators(head: DFlashHead, target):
     layer = qwen3_keys(head, target)
     # DSpark (models/dspark/config.py): every slot drafts, from the anchor on
     dspark = isinstance(head, DSparkHead)
+    if dspark and head.markov_head is None:
+        raise ValueError(
+            "this DSpark head has no Markov head (markov_rank=0, e.g. a DeepSpec DFlash import), "
+            "which speculators' DSpark layout (and llama.cpp's DSpark converter after it) "
+            "always has: use --format native, or train with head.markov_rank of 1 or more."
+        )
     kind = DSparkHead.method if dspark else DFlashHead.method
     config = {
         "architectures": [DSPARK_SPECULATORS_ARCH if dspark else SPECULATORS_ARCH],
@@ -468,18 +473,6 @@ def _mask_row(tensors: dict, target, mask_id: int, doc, path) -> Tensor | None:
     return None if torch.equal(row, ours[mask_id]) else row
 
 
-def refuse_deepspec(doc, tensors, target, path):
-    """DeepSpec's Qwen3DSparkModel checkpoints (DSpark, and its DFlash ones) are anchor-sampled."""
-    kind = "DSpark" if int(doc.get("markov_rank") or 0) > 0 else "DFlash"
-    raise HeadMismatchError(
-        f"{path}: a DeepSpec {kind} checkpoint ({', '.join(doc.get('architectures') or [])}). "
-        "DeepSpec's blocks are anchor-sampled: slot k predicts the token k+1 places after the "
-        "anchor and all B slots draft, while draftsmith's DFlashHead predicts the token k places "
-        "after it from slots 1..B-1 (z-lab's convention), so its weights cannot be loaded as a "
-        "DFlash head. Serve it in llama.cpp (--spec-type draft-dspark) or DeepSpec itself."
-    )
-
-
 def speculators_kind(doc: dict) -> str | None:
     """'speculators' for a DFlashSpeculator config, else None."""
     archs = doc.get("architectures") or []
@@ -498,5 +491,4 @@ __all__ = [
     "import_zlab",
     "mask_note",
     "qwen3_keys",
-    "refuse_deepspec",
 ]

@@ -18,14 +18,8 @@ from heads.eagle import EagleConfig, EagleHead
 from heads.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers
 from heads.folder import OWN_KEYS, HeadFolderError, check_target, read_json, read_safetensors
 from heads.interop import READ_FORMATS, WEIGHT_FILES
-from heads.interop.dflash import (
-    DEEPSPEC_ARCHS,
-    ZLAB_ARCH,
-    import_speculators,
-    import_zlab,
-    refuse_deepspec,
-    speculators_kind,
-)
+from heads.interop.deepspec import DEEPSPEC_ARCHS, import_deepspec
+from heads.interop.dflash import ZLAB_ARCH, import_speculators, import_zlab, speculators_kind
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.vocab import d2t_t2d, saved_draft_ids
 
@@ -81,7 +75,7 @@ def _tensor_names(path) -> set[str]:
         return set(load_tensors(path))  # which raises the error that names the file
 
 
-# DSpark layouts, not read until draftsmith has a DSpark head
+# DSpark layouts of other tools, which draftsmith does not read
 DSPARK_ARCHS = ("DSparkDraftModel", "Lfm2DSparkDraftModel", "LingDSparkModel")
 
 
@@ -100,8 +94,8 @@ def detect_format(path) -> str:
     if any(a in DSPARK_ARCHS for a in archs):
         raise HeadMismatchError(
             f"{path}: a DSpark draft in the {', '.join(archs)} layout, which draftsmith does not "
-            "read (it reads speculators' DSparkSpeculator); serve it in llama.cpp (--spec-type "
-            "draft-dspark) or the tool that trained it."
+            "read (it reads speculators' DSparkSpeculator and DeepSpec's Qwen3DSparkModel); "
+            "serve it in llama.cpp (--spec-type draft-dspark) or the tool that trained it."
         )
     if "medusa_num_heads" in doc:
         return "medusa_fd"
@@ -136,20 +130,18 @@ def detect_format(path) -> str:
 
 
 def import_draft(path, target, allow_other_target: bool = False):
-    """Load a folder in any of FORMATS onto `target` as one of our heads (EagleHead,
-    Eagle3Head, MedusaHeads, DFlashHead), ready for decoding and for further training; its
-    target_info is `target`'s. A folder draftsmith exported records its target's fingerprint,
-    which must match unless `allow_other_target`."""
+    """Load a folder in any of READ_FORMATS onto `target` as one of our heads (EagleHead,
+    Eagle3Head, MedusaHeads, DFlashHead, DSparkHead), ready for decoding and for further
+    training; its target_info is `target`'s. A folder draftsmith exported records its target's
+    fingerprint, which must match unless `allow_other_target`."""
     fmt = detect_format(path)
     if fmt == "native":
         import heads
 
         return heads.from_pretrained(path, target, allow_other_target=allow_other_target)
     doc = read_config(path)
-    if fmt == "deepspec":
-        refuse_deepspec(doc, None, target, path)
     tensors = load_tensors(path)
-    if fmt != "speculators":  # speculators keeps a learned MASK row in its embed_tokens
+    if fmt not in ("speculators", "deepspec"):  # these may keep a MASK row in embed_tokens
         _drop_target_copy(tensors, "embed_tokens.weight", target.embed_tokens.weight, path)
     head = _IMPORTERS[fmt](doc, tensors, target, Path(path))  # refuses other sizes first
     _check_recorded_target(doc, target, path, allow_other_target)
@@ -415,4 +407,5 @@ _IMPORTERS = {
     "medusa_fd": _import_medusa_fd,
     "dflash": import_zlab,
     "speculators": import_speculators,
+    "deepspec": import_deepspec,
 }
