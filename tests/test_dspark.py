@@ -66,8 +66,11 @@ def generate(model, proposer, n=NEW, verifier=None, prompt=PROMPT, **kwargs):
 
 
 def test_config_errors(tiny_llama):
-    with pytest.raises(ValueError, match="markov_rank=0"):
+    with pytest.raises(ValueError, match="markov_rank=-1"):
+        DSparkConfig(markov_rank=-1)
+    with pytest.raises(ValueError, match="markov_rank=0"):  # rank 0 has no Markov head to read
         DSparkConfig(markov_rank=0)
+    assert DSparkConfig(markov_rank=0, enable_confidence_head=False).markov_rank == 0
     with pytest.raises(ValueError, match="markov_head_type='gated'"):
         DSparkConfig(markov_head_type="gated")
     with pytest.raises(ValueError, match="confidence_threshold=1.5"):
