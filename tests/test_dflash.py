@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import diverse, make_llama, make_qwen2, make_tokenizer
+from test_eagle_decode import chisquare_pvalue
 from tokenizers import AddedToken
 
 from eval import kv_cache
@@ -363,17 +364,6 @@ def test_static_tree_children_are_each_slots_ranked_tokens(target):
 # ---- sampling ------------------------------------------------------------------------------
 
 SMALL_VOCAB = 8
-
-
-def chisquare_pvalue(observed, probs) -> float:
-    assert observed[probs == 0].sum() == 0, "a token the target cannot produce was emitted"
-    expected = probs * observed.sum()
-    small = expected < 5
-    obs = torch.cat([observed[~small], observed[small].sum()[None]]).double()
-    exp = torch.cat([expected[~small], expected[small].sum()[None]]).double()
-    obs, exp = obs[exp > 0], exp[exp > 0]
-    stat, dof = float(((obs - exp) ** 2 / exp).sum()), obs.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
 
 
 @pytest.mark.parametrize("draft_temperature, temperature", [(None, 1.0), (1.0, 0.8)])

@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 from conftest import diverse, make_llama, make_qwen2, make_tokenizer
-from test_dflash import chisquare_pvalue
+from test_eagle_decode import chisquare_pvalue
 
 from eval import kv_cache
 from eval.block_proposer import BlockProposer
