@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from eval.proposers import DecodeState
+from eval.proposers import DecodeState, resume_cache
 from eval.tree import Draft, TreeBuffers, build_tree_from_parents
 from heads.base import BlockDrafter
 
@@ -79,17 +79,7 @@ class BlockProposer:
 
     def absorb(self, state: DecodeState) -> None:
         """Bring the context cache to the target's committed positions."""
-        k = state.step_tokens.numel()
-        start = state.position - k
-        if self.cache is None or start > self.cache.length:
-            if start != 0:
-                have = 0 if self.cache is None else self.cache.length
-                raise ValueError(
-                    f"the state continues from position {start} but the draft cache holds {have}:"
-                    " feed every committed position (start each generation with its prefill)."
-                )
-            self.cache = self.head.new_cache()
-        self.cache.crop(start)
+        self.cache, start = resume_cache(state, self.cache, self.head.new_cache)
         if state.step_aux is None:
             raise ValueError(f"the head needs target layers {self.feature_layers} (step_aux).")
         context = self.head.context({"aux": state.step_aux[None]})  # (1, k, H)

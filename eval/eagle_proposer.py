@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from eval.dynamic_tree import DynamicTreeConfig, grow_dynamic_tree, select_dynamic_tree
-from eval.proposers import DecodeState
+from eval.proposers import DecodeState, resume_cache
 from eval.tree import Draft, TreeBuffers, build_tree_from_parents
 from heads.base import FeatureDrafter
 from heads.draft_layer import DraftCache
@@ -117,16 +117,7 @@ class EagleProposer:
     def absorb(self, state: DecodeState) -> None:
         """Bring the draft cache to the target's committed positions (see the module docstring)."""
         k = state.step_tokens.numel()
-        start = state.position - k
-        if self.cache is None or start > self.cache.length:
-            if start != 0:
-                have = 0 if self.cache is None else self.cache.length
-                raise ValueError(
-                    f"the state continues from position {start} but the draft cache holds {have}:"
-                    " feed every committed position (start each generation with its prefill)."
-                )
-            self.cache = DraftCache()
-        self.cache.crop(start)
+        self.cache, start = resume_cache(state, self.cache, DraftCache)
         features = {"hidden": state.step_hidden[None]}
         if self.feature_layers:
             if state.step_aux is None:

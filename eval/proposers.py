@@ -45,6 +45,24 @@ class DecodeState:
         return int(self.step_tokens[-1])
 
 
+def resume_cache(state: DecodeState, cache, new_cache):
+    """The draft cache a proposer continues with, cropped to the positions committed before
+    `state`'s step, and that step's first position: `cache` itself, or `new_cache()` when the
+    state starts a generation (position 0, a prefill). A state that skips positions the cache
+    never saw is refused."""
+    start = state.position - state.step_tokens.numel()
+    if cache is None or start > cache.length:
+        if start != 0:
+            have = 0 if cache is None else cache.length
+            raise ValueError(
+                f"the state continues from position {start} but the draft cache holds {have}:"
+                " feed every committed position (start each generation with its prefill)."
+            )
+        cache = new_cache()
+    cache.crop(start)
+    return cache, start
+
+
 class Proposer(Protocol):
     """`propose(state) -> Draft`. A proposer that needs more of the target than its last hidden
     state sets `feature_layers` (a list of HF hidden_states indices): the generator then fills
@@ -99,4 +117,4 @@ class MedusaProposer:
         return Draft(self.tree, torch.cat([root, top[depth - 1, rank]]))
 
 
-__all__ = ["DecodeState", "MedusaProposer", "Proposer"]
+__all__ = ["DecodeState", "MedusaProposer", "Proposer", "resume_cache"]
