@@ -322,6 +322,12 @@ def run(cfg) -> dict:
     if cfg.head_path:
         head = load(str(cfg.head_path))
         meta |= {"head_path": str(cfg.head_path), "head_method": head.method}
+        settings = cfg.get("head_settings")
+        if settings:
+            from heads.base import apply_runtime_settings
+
+            settings = OmegaConf.to_container(settings, resolve=True)
+            meta["head_settings"] = apply_runtime_settings(head, settings)
     elif "head" in names:
         log.warning("head_path is null: running the method 'head' is skipped (%s)", names)
         names = [n for n in names if n != "head"]

@@ -204,6 +204,7 @@ def render_markdown(summary: dict, plots: Sequence[str]) -> str:
         "verifier",
         "head_path",
         "head_method",
+        "head_settings",
         "heads",
         "target_adapted",
         "versions",

@@ -67,6 +67,9 @@ class DraftHead(Protocol):
                           every method decoding next to it runs the adapted target.
     target_dims:          TargetInfo fields the target must share with the one it was trained
                           on for the head's tensors to fit.
+    runtime_settings:     (optional, default none) config fields that change only how a trained
+                          head drafts, not its tensors, so evaluate.py may set them
+                          (`head_settings`; see `apply_runtime_settings`).
     """
 
     method: ClassVar[str]
@@ -198,6 +201,33 @@ class TargetInfo:
 
 class HeadMismatchError(DraftsmithError, ValueError):
     """A head checkpoint does not fit the target it is being loaded onto."""
+
+
+def apply_runtime_settings(head: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """Set drafting-only config fields of a loaded head (evaluate.py's `head_settings`, e.g.
+    DSpark's `confidence_threshold`): each must be one of the head class's `runtime_settings`;
+    the config is validated again, and left as it was when a value is refused. Returns the
+    values set."""
+    allowed = tuple(getattr(type(head), "runtime_settings", ()))
+    unknown = sorted(set(settings) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"head_settings {unknown}: a {head.method} head can change only "
+            f"{list(allowed) or 'nothing'} after training (the rest is in its tensors or "
+            "config.json; retrain to change it)."
+        )
+    if not settings:
+        return {}
+    old = dataclasses.asdict(head.config)
+    try:
+        for key, value in settings.items():
+            setattr(head.config, key, value)
+        head.config.__post_init__()
+    except Exception:
+        for key in settings:
+            setattr(head.config, key, old[key])
+        raise
+    return dict(settings)
 
 
 def atomic_save_dir(path: str | os.PathLike, write: Any) -> Path:

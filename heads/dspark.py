@@ -149,6 +149,7 @@ class DSparkHead(DFlashHead):
     head."""
 
     method = "dspark"
+    runtime_settings = ("confidence_threshold",)
     config_class = DSparkConfig
     title = "DSpark block drafter"
     hub_tag = "dspark"

@@ -327,6 +327,49 @@ def test_a_real_confidence_cut(target, greedy_future):
     assert set(result.accept_lengths) == {1}
 
 
+def test_the_confidence_cut_is_an_evaluation_setting(tmp_path):
+    """evaluate.py `head_settings`: a trained DSpark head's confidence threshold is set at
+    evaluation (recorded in the summary), a setting the head does not allow or a bad value is
+    refused with the reason, and a refused value leaves the config as it was."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+    from test_bench import CONF, write_prompts
+
+    from eval.bench import run
+    from heads.base import apply_runtime_settings
+    from heads.target import load_target
+
+    overrides = [
+        "model=tiny_random_llama", "bench=jsonl",
+        f"bench.path={write_prompts(tmp_path / 'p.jsonl')}", "bench.limit=2",
+        "bench.max_new_tokens=8", "tree=chain", "tree.paths=[[0],[0,0],[0,0,0]]",
+        "methods=[head]", "threads=1", f"out_dir={tmp_path / 'out'}",
+        "head_settings={confidence_threshold: 0.5}",
+    ]  # fmt: skip
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("evaluate", overrides=overrides)
+    target = load_target(instantiate(cfg.model, _convert_="all"))
+    head = real_head(target)
+    with torch.no_grad():
+        head.confidence_head.proj.bias.fill_(-20.0)  # no slot is ever confident
+    head.save_pretrained(tmp_path / "head")
+    cfg.head_path = str(tmp_path / "head")
+    summary = run(cfg)
+    assert summary["meta"]["head_settings"] == {"confidence_threshold": 0.5}
+    overall = summary["methods"]["head"]["overall"]
+    assert overall["greedy_mismatches"] == 0 and overall["tau"] == 1.0  # every block cut at 0
+
+    with pytest.raises(ValueError, match=r"can change only \['confidence_threshold'\]"):
+        apply_runtime_settings(head, {"block_size": 8})
+    with pytest.raises(ValueError, match="confidence_threshold=2"):
+        apply_runtime_settings(head, {"confidence_threshold": 2})
+    assert head.config.confidence_threshold == 0.0
+    assert apply_runtime_settings(head, {"confidence_threshold": 0.25}) == {
+        "confidence_threshold": 0.25
+    }
+    assert head.config.confidence_threshold == 0.25
+
+
 def test_eos_inside_a_block_and_the_context_limit(target, greedy_future):
     start = PROMPT.shape[1]
     future = greedy_future[start:].tolist()
