@@ -501,15 +501,12 @@ def _distill_items(cfg, out, meta, synthesized, generator, rank, world_size, pro
 
 def _generate_all(gen, todo, cfg: DistillConfig, meta: dict, paths, stats: dict, bar, t0) -> None:
     mine_path, skipped_file = paths
-    # a server keeps its slots busy only while requests are queued: hand it several per slot
-    # HF: several batches per chunk, so that each batch holds prompts of similar length
-    step = 4 * cfg.batch_size if cfg.backend == "hf" else max(cfg.batch_size, 4 * cfg.parallel)
-    for start in range(0, len(todo), step):
-        batch = todo[start : start + step]
-        if cfg.backend == "hf":
-            rows, skipped, tokens = _run_batch(gen, batch, cfg, meta)
-        else:
-            rows, skipped, tokens = _run_each(gen, batch, cfg, meta)
+    if cfg.backend == "hf":  # several batches per chunk: each batch holds prompts of similar length
+        chunks = (todo[s : s + 4 * cfg.batch_size] for s in range(0, len(todo), 4 * cfg.batch_size))
+        results = (_run_batch(gen, chunk, cfg, meta) + (len(chunk),) for chunk in chunks)
+    else:
+        results = _stream_each(gen, todo, cfg, meta)
+    for rows, skipped, tokens, count in results:
         _append(mine_path, rows)
         _append(skipped_file, skipped)
         stats["rows"] += len(rows)
@@ -517,19 +514,44 @@ def _generate_all(gen, todo, cfg: DistillConfig, meta: dict, paths, stats: dict,
         stats["new_tokens"] += tokens
         stats["seconds"] = time.perf_counter() - t0
         if bar is not None:
-            bar.update(len(batch))
+            bar.update(count)
             bar.set_postfix(tok_s=f"{stats['new_tokens'] / stats['seconds']:.0f}")
 
 
-def _run_each(gen, batch: list[WorkItem], cfg: DistillConfig, meta: dict):
-    """A server's batch: every conversation runs its turns on its own, `parallel` at a time, so
-    a slot takes the next turn or conversation as soon as it is free (no waiting for the
-    slowest answer of a turn, as the HF lockstep must). Rows keep the batch's order."""
-    with ThreadPoolExecutor(max_workers=cfg.parallel) as pool:
-        done = list(pool.map(lambda item: _run_batch(gen, [item], cfg, meta), batch))
-    rows = [row for r, _, _ in done for row in r]
-    skipped = [row for _, sk, _ in done for row in sk]
-    return rows, skipped, sum(t for _, _, t in done)
+def _stream_each(gen, todo: list[WorkItem], cfg: DistillConfig, meta: dict):
+    """A server's work as a stream: every conversation runs its turns on its own, `parallel` at
+    a time, and a slot takes the next conversation as soon as it is free, even while an earlier
+    one is still running: no barrier where a group of conversations waits for its slowest
+    answer. Results are yielded in `todo`'s order (the file stays in order, so a prefix of it is
+    a budget): finished conversations behind a slow one wait in memory, at most 16 x `parallel`
+    of them. Yields (rows, skipped, new tokens, 1) per conversation."""
+    from concurrent.futures import FIRST_COMPLETED, wait
+
+    running_max, buffered_max = 2 * cfg.parallel, 16 * cfg.parallel
+    pool = ThreadPoolExecutor(max_workers=cfg.parallel)
+    futures: dict = {}
+    submitted = written = 0
+    try:
+        while written < len(todo):
+            running = [f for f in futures.values() if not f.done()]
+            while (
+                submitted < len(todo)
+                and len(running) < running_max
+                and submitted - written < buffered_max
+            ):
+                future = pool.submit(_run_batch, gen, [todo[submitted]], cfg, meta)
+                futures[submitted] = future
+                running.append(future)
+                submitted += 1
+            head = futures[written]
+            if not head.done():
+                wait(running, return_when=FIRST_COMPLETED)
+                continue
+            rows, skipped, tokens = futures.pop(written).result()
+            written += 1
+            yield rows, skipped, tokens, 1
+    finally:  # on an error (or a closed generator) drop what has not started
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _make_generator(target, cfg: DistillConfig, encoder: ChatEncoder, eos: list[int]):

@@ -3,10 +3,13 @@ conf/model), and how often each backend's greedy answers equal HF's.
 
     python scripts/bench_distill.py --batch-sizes 1 8 32 --prompts 32 --max-new-tokens 128
     python scripts/bench_distill.py --batch-sizes 8 --llama-cpp-slots 1 8 --prompts 32
+    python scripts/bench_distill.py --batch-sizes 8 --llama-cpp-slots 8 32 --prompts 32 \
+        --gguf Q4_1.gguf bf16.gguf q8_0.gguf f32.gguf     # GGUF types side by side
 
 Each setting regenerates the same first N prompts (first turns only) into a scratch file:
 `hf` at each batch size (transformers generate), `llama_cpp` with each number of parallel slots
-(llama-server on the target's GGUF: the embedded Q4_1 file; `--gguf` another). Prints generated
+(llama-server on the target's GGUF: the embedded Q4_1 file; `--gguf` others, each at every slot
+count; no --batch-sizes: llama.cpp only, compared with its first setting). Prints generated
 tokens/s per setting, the ratio to the first, and the share of answers identical to the first HF
 setting's (quantised kernels may differ from HF's fp32), and writes them to --out (JSON).
 """
@@ -27,10 +30,21 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2_135m", help="a conf/model option")
     parser.add_argument("--prompts-file", default="data/corpora/oa_prompts_en/prompts.jsonl")
     parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument(
+        "--batch-sizes",
+        type=int,
+        nargs="*",
+        default=[1, 8, 32],
+        help="HF batch sizes (none: llama_cpp only, compared with its first)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--llama-cpp-slots", type=int, nargs="*", default=[])
-    parser.add_argument("--gguf", help="the target GGUF for llama_cpp (default: its own)")
+    parser.add_argument(
+        "--gguf",
+        nargs="+",
+        default=None,
+        help="target GGUF(s) for llama_cpp, each run at every slot count (default: its own)",
+    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_distill.json"))
     args = parser.parse_args()
@@ -50,19 +64,27 @@ def main() -> None:
         source.write_text("".join(json.dumps({"id": i, "prompt": p["turns"][0]}) + "\n"
                                   for i, p in enumerate(prompts)))  # fmt: skip
         settings = [("hf", bs, {"batch_size": bs}) for bs in args.batch_sizes]
-        gguf = args.gguf or (str(_gguf_of(args.model)) if args.llama_cpp_slots else None)
-        for slots in args.llama_cpp_slots:
-            engine = {"backend": "llama_cpp", "gguf": gguf, "parallel": slots}
-            settings.append(("llama_cpp", slots, {"batch_size": max(slots, 8), **engine}))
+        ggufs = args.gguf or ([str(_gguf_of(args.model))] if args.llama_cpp_slots else [])
+        for gguf in ggufs:
+            for slots in args.llama_cpp_slots:
+                engine = {"backend": "llama_cpp", "gguf": gguf, "parallel": slots}
+                settings.append(("llama_cpp", slots, {"batch_size": max(slots, 8), **engine}))
         answers: dict[str, dict] = {}
         for backend, size, extra in settings:
             name = f"{backend}-{size}"
+            if len(ggufs) > 1 and "gguf" in extra:
+                name = f"{Path(extra['gguf']).stem}-{size}"
             out = Path(tmp) / f"{name}.jsonl"
             cfg = DistillConfig(prompts=[str(source)], out=str(out),
                                 max_new_tokens=args.max_new_tokens, **extra)  # fmt: skip
             t0 = time.perf_counter()
             stats = distill(target, cfg, progress=False)
-            stats |= {"wall_s": time.perf_counter() - t0, "backend": backend, "size": size}
+            stats |= {
+                "wall_s": time.perf_counter() - t0,
+                "backend": backend,
+                "size": size,
+                "gguf": extra.get("gguf"),
+            }
             answers[name] = {r["id"]: r["messages"][-1]["content"] for r in read_rows(out)}
             first = next(iter(answers.values()))
             stats["same_as_first"] = sum(answers[name].get(k) == v for k, v in first.items())
@@ -74,12 +96,13 @@ def main() -> None:
     for r in results:
         r["ratio_to_first"] = r["tokens_per_s"] / base if base else None
     report = {"model": args.model, "threads": torch.get_num_threads(), "prompts": len(prompts),
-              "gguf": gguf,
+              "ggufs": ggufs,
               "max_new_tokens": args.max_new_tokens, "results": results}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps([(r["backend"], r["size"], round(r["tokens_per_s"], 1),
-                       round(r["ratio_to_first"], 2)) for r in results]))  # fmt: skip
+    print(json.dumps([(r["backend"], r["gguf"] and Path(r["gguf"]).stem, r["size"],
+                       round(r["tokens_per_s"], 1), round(r["ratio_to_first"], 2))
+                      for r in results]))  # fmt: skip
 
 
 def _gguf_of(model: str):

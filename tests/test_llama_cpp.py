@@ -301,13 +301,13 @@ def test_llama_cpp_distillation_resumes_without_duplicates(tiny_setup, tmp_path,
 
     target, _, _, target_file, _ = tiny_setup
     out = tmp_path / "sd.jsonl"
-    # one slot: batches of 4 conversations (4 queued per slot), so 6 prompts take two batches
+    # one slot: conversations are written one by one as they finish, in the prompts' order
     engine = {"backend": "llama_cpp", "gguf": str(target_file), "parallel": 1}
     real_append, calls = distill_mod._append, []
 
     def crash_after_first_batch(path, rows):
         calls.append(path)
-        if len(calls) > 2:  # rows and skipped of the first batch were written
+        if len(calls) > 2:  # rows and skipped of the first conversation were written
             raise KeyboardInterrupt
         real_append(path, rows)
 
@@ -402,6 +402,57 @@ def test_openai_backend_against_a_stand_in_server(tiny_llama, tmp_path):
     assert all(r["messages"][-1] == {"role": "assistant", "content": "Hello there"} for r in rows)
     assert all(r["finish"] == ["eos"] for r in rows)
     assert all(b["model"] == "m" and "<|im_start|>user" in b["prompt"] for b in seen)
+
+
+def test_server_slots_do_not_wait_for_a_slow_conversation(tiny_llama, tmp_path):
+    """A server's conversations stream through its slots: while one slot holds a slow answer the
+    other serves every later prompt (no chunk barrier), and the file keeps the prompts' order."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from data.distill import distill, read_rows
+    from data.formats import read_prompts
+
+    arrived, lock = [], threading.Lock()
+    first_prompt = read_prompts("data/corpora/oa_prompts_en/prompts.jsonl")[16]["turns"][0]
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            slow = first_prompt in body["prompt"]
+            with lock:
+                arrived.append(("slow" if slow else "fast", time.monotonic()))
+            if slow:
+                time.sleep(1.5)
+            text = "slow answer" if slow else "fast answer"
+            data = json.dumps({"choices": [{"text": text, "finish_reason": "stop"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        engine = {"backend": "openai", "server_url": url, "server_model": "m", "parallel": 2}
+        t0 = time.monotonic()
+        distill(tiny_llama, _distill_cfg(tmp_path / "o.jsonl", 12, **engine), progress=False)
+    finally:
+        server.shutdown()
+    assert len(arrived) == 12 and [k for k, _ in arrived].count("slow") == 1
+    slow_done = next(t for k, t in arrived if k == "slow") + 1.5
+    # all 11 fast requests reached the server while the slow one was still being answered
+    assert max(t for k, t in arrived if k == "fast") < slow_done, arrived
+    assert time.monotonic() - t0 < 1.5 * 2  # a barrier of 4 per slot would wait twice
+    rows = list(read_rows(tmp_path / "o.jsonl"))
+    assert rows[0]["messages"][-1]["content"] == "slow answer"
+    assert [r["prompt_id"] for r in rows] == sorted(r["prompt_id"] for r in rows)
 
 
 # ---- the benchmark's llama.cpp methods -------------------------------------------------------

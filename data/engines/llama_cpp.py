@@ -82,6 +82,10 @@ def available() -> bool:
     return True
 
 
+# the types convert_to_gguf writes (llama.cpp's converter's --outtype)
+GGUF_OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+
+
 def convert_to_gguf(
     model_dir: str | os.PathLike,
     out_file: str | os.PathLike,
