@@ -51,6 +51,7 @@ def main() -> None:
         help="training steps per method, JSON (default: the 20-minute recipes' steps)",
     )
     p.add_argument("--val-rows", type=int, default=80)
+    p.add_argument("--max-length", type=int, default=768, help="data.max_length of every run")
     p.add_argument("--per-category", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=None, help="torch threads per run")
@@ -169,6 +170,9 @@ def run_point(args, point: dict, train_rows: list[dict], val_file: Path) -> dict
         f"+experiment={experiment}", "data.self_distill.enabled=false", f"data.sources=[{src}]",
         f"data.val_sources=[{{path: '{val_file}'}}]", "data.max_val_examples=0",
         f"data.max_train_tokens={budget}", f"trainer.max_steps={steps}",
+        # two answered turns of up to 256 tokens: whole conversations, packed (as the *_long
+        # recipes), so a budget's tokens are all trained on
+        f"data.max_length={args.max_length}", f"trainer.pack_tokens={args.max_length}",
         f"trainer.eval_every={steps}", f"trainer.save_every={min(100, steps)}", "evaluators=[]",
         "trainer.best_metric=null", "logger.mode=disabled", f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
@@ -291,6 +295,7 @@ def meta(args) -> dict:
     return {
         "data": str(args.data),
         "val_rows": args.val_rows,
+        "max_length": args.max_length,
         "steps": args.steps,
         "bench": f"MT-bench, {args.per_category} questions per category (both turns), "
         f"{args.max_new_tokens} new tokens, greedy",
