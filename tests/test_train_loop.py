@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -228,7 +229,14 @@ def test_wandb_offline_records_artifact_plots_and_report(tmp_path, monkeypatch):
         tracker.log_files({"bench/tau": tmp_path / "tau.png", "report": tmp_path / "report.md"})
         run_id = tracker.wandb_run.id
     (run_dir,) = (tmp_path / "wb" / "wandb").glob(f"offline-run-*-{run_id}")
-    records = b"".join(p.read_bytes() for p in run_dir.glob("*.wandb"))
+    # wandb's service process may still be flushing the offline records after finish() returns
+    # (seen on a loaded machine: only the file header was there); wait for it, up to a minute
+    deadline = time.monotonic() + 60
+    while True:
+        records = b"".join(p.read_bytes() for p in run_dir.glob("*.wandb"))
+        if b"bench/tau" in records or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert b"eagle3-head" in records  # the artifact, by name
     assert b"bench/tau" in records  # the plot, logged as an image under its key
     assert (run_dir / "files" / "report.md").read_text() == "# report\n"
