@@ -22,6 +22,7 @@ from hydra import compose, initialize_config_dir
 from data.engines import llama_cpp
 from data.engines.llama_cpp import EngineError, LlamaServer, ServerConfig
 from eval.bench import first_difference, top2_gaps
+from tests._stand_in_server import openai_stand_in
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 PROMPTS = [
@@ -367,36 +368,11 @@ def test_distillation_refuses_mixing_backends(tiny_setup, tmp_path):
 def test_openai_backend_against_a_stand_in_server(tiny_llama, tmp_path):
     """Any OpenAI-compatible server (vLLM, SGLang): the rendered prompt goes out as text, the
     answer's text comes back and is tokenized; finish_reason "stop" means EOS."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, HTTPServer
-
     from data.distill import distill, read_rows
 
-    seen = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 (http.server's name)
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            seen.append(body)
-            answer = {"choices": [{"text": "Hello there", "finish_reason": "stop"}]}
-            data = json.dumps(answer).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+    with openai_stand_in(lambda body: "Hello there") as (url, seen):
         engine = {"backend": "openai", "server_url": url, "server_model": "m", "parallel": 2}
         stats = distill(tiny_llama, _distill_cfg(tmp_path / "o.jsonl", 3, **engine), progress=False)
-    finally:
-        server.shutdown()
     rows = list(read_rows(tmp_path / "o.jsonl"))
     assert stats["rows"] == 3 and len(seen) == 3
     assert all(r["messages"][-1] == {"role": "assistant", "content": "Hello there"} for r in rows)
@@ -409,7 +385,6 @@ def test_server_slots_do_not_wait_for_a_slow_conversation(tiny_llama, tmp_path):
     other serves every later prompt (no chunk barrier), and the file keeps the prompts' order."""
     import threading
     import time
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from data.distill import distill, read_rows
     from data.formats import read_prompts
@@ -417,34 +392,18 @@ def test_server_slots_do_not_wait_for_a_slow_conversation(tiny_llama, tmp_path):
     arrived, lock = [], threading.Lock()
     first_prompt = read_prompts("data/corpora/oa_prompts_en/prompts.jsonl")[16]["turns"][0]
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 (http.server's name)
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            slow = first_prompt in body["prompt"]
-            with lock:
-                arrived.append(("slow" if slow else "fast", time.monotonic()))
-            if slow:
-                time.sleep(1.5)
-            text = "slow answer" if slow else "fast answer"
-            data = json.dumps({"choices": [{"text": text, "finish_reason": "stop"}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def answer(body):
+        slow = first_prompt in body["prompt"]
+        with lock:
+            arrived.append(("slow" if slow else "fast", time.monotonic()))
+        if slow:
+            time.sleep(1.5)
+        return "slow answer" if slow else "fast answer"
 
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+    with openai_stand_in(answer) as (url, _):
         engine = {"backend": "openai", "server_url": url, "server_model": "m", "parallel": 2}
         t0 = time.monotonic()
         distill(tiny_llama, _distill_cfg(tmp_path / "o.jsonl", 12, **engine), progress=False)
-    finally:
-        server.shutdown()
     assert len(arrived) == 12 and [k for k, _ in arrived].count("slow") == 1
     slow_done = next(t for k, t in arrived if k == "slow") + 1.5
     # all 11 fast requests reached the server while the slow one was still being answered

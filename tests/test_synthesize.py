@@ -19,6 +19,7 @@ from data.synthesize import (
     reject_reason,
     select,
 )
+from tests._stand_in_server import openai_stand_in
 from tests.conftest import make_llama, make_tokenizer
 
 
@@ -224,40 +225,18 @@ def test_a_target_without_a_chat_template_gets_a_clear_error(tmp_path):
 def test_synthesis_through_a_stand_in_openai_server(tiny_llama, tmp_path):
     """The server backend samples user turns from the rendered user header (temperature and
     top_p of the spec), answers them greedily, and filters what the server writes."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, HTTPServer
-
-    seen = []
     questions = ["How do tides work?", "how do tides work", "Name three rivers in Asia.",
                  "ok", "What is a prime number?", "Suggest a name for a cat."]  # fmt: skip
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 (http.server's name)
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            seen.append(body)
-            if body["prompt"].endswith("<|im_start|>user\n"):
-                text = questions[body["seed"] % len(questions)]
-            else:
-                text = "Sure, here it is."
-            data = json.dumps({"choices": [{"text": text, "finish_reason": "stop"}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def answer(body):
+        if body["prompt"].endswith("<|im_start|>user\n"):
+            return questions[body["seed"] % len(questions)]
+        return "Sure, here it is."
 
-        def log_message(self, *args):
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+    with openai_stand_in(answer) as (url, seen):
         cfg = cfg_for(tmp_path, {"synthesize": 4, "top_p": 0.9}, backend="openai",
                       server_url=url, parallel=2)  # fmt: skip
         distill(tiny_llama, cfg, progress=False)
-    finally:
-        server.shutdown()
     rows = rows_of(cfg.out)
     users = sorted(r["messages"][0]["content"] for r in rows)
     assert users == sorted(q for q in questions if q not in ("ok", "how do tides work"))
