@@ -382,17 +382,13 @@ def llama_cpp_settings(cfg, head, target, out_dir: Path) -> LlamaCppSettings:
     converted once) and the draft GGUF (exported from `head` when not given)."""
     from omegaconf import OmegaConf
 
-    from heads.interop.gguf import export_gguf, gguf_for_target
+    from heads.interop.gguf import chosen_target_gguf, export_gguf
     from heads.target import resolve_source
 
     doc = OmegaConf.to_container(cfg.llama_cpp, resolve=True)
     settings = LlamaCppSettings(**doc)
     model_cfg = instantiate_model(cfg)
-    given = settings.target_gguf or "auto"
-    if given == "auto":
-        settings.target_gguf = str(gguf_for_target(model_cfg))
-    elif not given.endswith(".gguf"):
-        settings.target_gguf = str(gguf_for_target(model_cfg, outtype=given, own=False))
+    settings.target_gguf = str(chosen_target_gguf(model_cfg, settings.target_gguf))
     if settings.draft_gguf is None and "llama_cpp_draft" in cfg.methods:
         if head is None:
             raise ValueError("llama_cpp_draft needs head_path (or llama_cpp.draft_gguf).")

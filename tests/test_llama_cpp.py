@@ -63,6 +63,23 @@ def test_config_refuses_bad_settings(tmp_path):
         ServerConfig(model=str(model), spec_type="draft-eagle3")
 
 
+def test_a_target_gguf_setting_names_the_own_file_a_conversion_or_a_path(monkeypatch):
+    """data.self_distill.gguf and evaluate's llama_cpp.target_gguf share one reading: unset or
+    "auto" is the target's own file, an outtype is its folder converted once, else a path."""
+    import heads.interop.gguf as gguf_mod
+
+    calls = []
+    monkeypatch.setattr(gguf_mod, "gguf_for_target",
+                        lambda cfg, outtype="f16", own=True: calls.append((outtype, own)) or
+                        Path(f"/cache/{outtype}-{own}.gguf"))  # fmt: skip
+    cfg = object()
+    assert gguf_mod.chosen_target_gguf(cfg, None) == Path("/cache/f16-True.gguf")
+    assert gguf_mod.chosen_target_gguf(cfg, "auto") == Path("/cache/f16-True.gguf")
+    assert gguf_mod.chosen_target_gguf(cfg, "bf16") == Path("/cache/bf16-False.gguf")
+    assert gguf_mod.chosen_target_gguf(cfg, "/m/t.gguf") == Path("/m/t.gguf")
+    assert calls == [("f16", True), ("f16", True), ("bf16", False)]
+
+
 def test_unloadable_model_quotes_the_server_log(tmp_path):
     _need_server()
     bad = tmp_path / "broken.gguf"

@@ -21,7 +21,6 @@ from omegaconf import DictConfig, OmegaConf
 import heads
 from data.config import DataConfig
 from data.dataset import ExampleDataset, collate, corpus_stats
-from data.engines.llama_cpp import GGUF_OUTTYPES
 from data.feature_cache import default_cache_dir, examples_sha1, open_or_build_feature_cache
 from data.features import LazyFeatureDataset
 from data.paths import resolve_path
@@ -140,18 +139,15 @@ def init_head_weights(head, path: str, target: Target | None = None) -> None:
 
 
 def _engine_gguf(data_cfg: DataConfig, model_cfg) -> None:
-    """Self-distillation through llama.cpp needs the target as GGUF: when
-    `data.self_distill.gguf` is unset, use the target's own (the embedded one as shipped) or
-    convert its folder once; an outtype (f32, f16, bf16, q8_0) instead of a path converts the
-    target's Hugging Face weights to that type once (heads.interop.gguf.gguf_for_target)."""
+    """Self-distillation through llama.cpp needs the target as GGUF: `data.self_distill.gguf`
+    unset means the target's own (the embedded one as shipped) or its folder converted once; an
+    outtype (f32, f16, bf16, q8_0) converts its Hugging Face weights to that type once; a path
+    is used as given (heads.interop.gguf.chosen_target_gguf)."""
     sd = data_cfg.self_distill
-    if sd.enabled and sd.backend == "llama_cpp" and (not sd.gguf or sd.gguf in GGUF_OUTTYPES):
-        from heads.interop.gguf import gguf_for_target
+    if sd.enabled and sd.backend == "llama_cpp":
+        from heads.interop.gguf import chosen_target_gguf
 
-        if sd.gguf:
-            sd.gguf = str(gguf_for_target(model_cfg, outtype=sd.gguf, own=False))
-        else:
-            sd.gguf = str(gguf_for_target(model_cfg))
+        sd.gguf = str(chosen_target_gguf(model_cfg, sd.gguf))
 
 
 def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> TrainResult:

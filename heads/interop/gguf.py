@@ -20,7 +20,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from data.engines.llama_cpp import convert_to_gguf
+from data.engines.llama_cpp import GGUF_OUTTYPES, convert_to_gguf
 from heads.interop.export import export_draft, formats_for
 
 # head format written before conversion -> llama.cpp's --spec-type for the resulting GGUF
@@ -136,3 +136,14 @@ def gguf_for_target(cfg, outtype: str = "f16", own: bool = True) -> Path:
     if not out.is_file():
         target_gguf(source, out, outtype)
     return out
+
+
+def chosen_target_gguf(cfg, choice: str | None) -> Path:
+    """The target GGUF a setting names: None or "auto", the target's own (`gguf_for_target`);
+    an outtype (f32, f16, bf16, q8_0), its Hugging Face folder converted once to that type;
+    anything else, a .gguf path used as given."""
+    if choice in (None, "", "auto"):
+        return gguf_for_target(cfg)
+    if choice in GGUF_OUTTYPES:
+        return gguf_for_target(cfg, outtype=choice, own=False)
+    return Path(choice)
