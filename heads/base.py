@@ -218,7 +218,7 @@ def apply_runtime_settings(head: Any, settings: dict[str, Any]) -> dict[str, Any
         )
     if not settings:
         return {}
-    old = dataclasses.asdict(head.config)
+    old = {key: getattr(head.config, key) for key in settings}
     try:
         for key, value in settings.items():
             setattr(head.config, key, value)
