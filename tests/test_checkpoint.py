@@ -87,6 +87,20 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(target, tmp_path):
     assert steps == [1, 2, 3, 4, 5, 6]  # no step logged twice
 
 
+def test_cpu_time_is_logged_and_carried_across_a_resume(target, tmp_path, monkeypatch):
+    # a fake process clock that advances 0.5 s per reading: each step costs exactly 0.5 s
+    ticks = iter(range(10_000))
+    monkeypatch.setattr("train.loop.time.process_time", lambda: next(ticks) * 0.5)
+    run(target, tmp_path / "resumed", stop_at=3)
+    state = json.loads((ckpt.latest_checkpoint(tmp_path / "resumed") / ckpt.STATE_FILE).read_text())
+    assert state["cpu_s"] == pytest.approx(1.5)
+    run(target, tmp_path / "resumed")
+    rows = read_metrics(tmp_path / "resumed")
+    cpu = {r["step"]: r["train/cpu_min"] for r in rows if "train/cpu_min" in r}
+    assert sorted(cpu) == [1, 2, 3, 4, 5, 6]
+    assert [cpu[s] * 60 for s in sorted(cpu)] == pytest.approx([0.5, 1.0, 1.5, 2.0, 2.5, 3.0])
+
+
 def test_resume_restores_the_rng(target, tmp_path, monkeypatch):
     # the same stop/resume without restoring RNG states must differ (dropout masks change),
     # which shows the exact-resume test really exercises the RNG path

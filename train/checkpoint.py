@@ -93,6 +93,10 @@ class TrainState:
     global_batch: int = 0  # batch_size * num_processes when written (to re-map the position)
     tokens: int = 0
     loss_tokens: int = 0
+    # CPU seconds the optimizer steps took (process CPU time, all threads, summed over
+    # processes; data loading and online features included, feature-cache builds and
+    # evaluation not): the x axis of equal-CPU comparisons, carried across resumes
+    cpu_s: float = 0.0
 
 
 @dataclass

@@ -246,8 +246,10 @@ class Trainer:
         """One optimizer update from `grad_accum` micro-batches."""
         acc = self.acc
         self.model.train()
-        # tokens, loss tokens, micro-batches with a non-finite loss (summed over processes)
-        tokens = torch.zeros(3, dtype=torch.float64, device=acc.device)
+        # tokens, loss tokens, micro-batches with a non-finite loss, CPU seconds (summed over
+        # processes)
+        cpu_started = time.process_time()
+        tokens = torch.zeros(4, dtype=torch.float64, device=acc.device)
         for _ in range(self.cfg.grad_accum):
             batch = next(stream)
             with acc.accumulate(self.model):
@@ -272,6 +274,7 @@ class Trainer:
             tokens[1] += batch.get("loss_mask", batch["attention_mask"]).sum()
         if not acc.sync_gradients:
             raise RuntimeError("gradient accumulation fell out of step with the loop (a bug)")
+        tokens[3] = time.process_time() - cpu_started
         tokens = acc.reduce(tokens, "sum")
         if tokens[2] > 0:  # every process sees the sum, so all stop together
             raise NonFiniteError(
@@ -280,6 +283,7 @@ class Trainer:
             )
         self.state.tokens += int(tokens[0])
         self.state.loss_tokens += int(tokens[1])
+        self.state.cpu_s += float(tokens[3])
         window.tokens += int(tokens[0])
 
     def _clip_gradients(self) -> float | None:
@@ -381,6 +385,7 @@ class Trainer:
             "train/tokens_per_s": window.tokens / elapsed,
             "train/tokens": state.tokens,
             "train/loss_tokens": state.loss_tokens,
+            "train/cpu_min": state.cpu_s / 60,
             "train/epoch": state.epoch + state.batch_in_epoch / self.batches_per_epoch,
         }
         if window.grad_norm is not None:
