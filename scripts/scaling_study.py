@@ -59,7 +59,7 @@ def main() -> None:
         "--gen-tokens-per-s",
         type=float,
         default=None,
-        help="generation throughput of --data, for the CPU-minutes axis",
+        help="generation throughput of --data, for the minutes axis",
     )
     p.add_argument(
         "--compare",
@@ -380,7 +380,7 @@ def plots(points: dict, folder: Path, gen: float | None) -> None:
         )
     for ax, title, xl in (
         (axes[0], "MT-bench tau vs self-distilled tokens", "assistant tokens (log)"),
-        (axes[1], "tau vs CPU minutes (generation + training, 2 cores)", "minutes"),
+        (axes[1], "tau vs wall minutes (generation + training)", "minutes"),
         (axes[2], "top-1 of the first draft token", "assistant tokens (log)"),
     ):
         ax.set_title(title, fontsize=10)

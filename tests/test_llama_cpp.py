@@ -527,11 +527,10 @@ DFLASH_BLOCK = 8
 DFLASH_IDS = [1, 5]  # z-lab ids (decoder-layer outputs); the GGUF records them + 1
 
 
-@pytest.fixture(scope="module")
-def dflash_setup(tmp_path_factory):
-    """(target, head, target_dir, target.gguf, draft.gguf): the tiny target above and a DFlash
-    draft (2 layers, block 8, a learned MASK vector) trained 80 steps on its own greedy answers,
-    both converted to f32 GGUF (the draft from the z-lab layout with mask_embedding.pt)."""
+def _tiny_block_draft(root: Path, experiment: str, head_overrides: list[str]):
+    """(target, head, target_dir, target.gguf, draft.gguf): the tiny target above and a block
+    draft (`experiment`, 2 layers) trained 80 steps on its own greedy answers, both converted to
+    f32 GGUF through llama.cpp's converter."""
     _need_server()
     from hydra.utils import instantiate
 
@@ -540,22 +539,17 @@ def dflash_setup(tmp_path_factory):
     from heads.target import load_target
     from train.run import run
 
-    root = tmp_path_factory.mktemp("llama_cpp_dflash")
     target_dir = root / "target"
     _save_tiny_target(target_dir)
     overrides = [
-        "+experiment=dflash_tiny",
+        f"+experiment={experiment}",
         f"model.name_or_path={target_dir}",
         "model.random_init=null",
         "model.tokenizer=null",
-        f"head.block_size={DFLASH_BLOCK}",
         "head.num_layers=2",
         "head.num_anchors=32",
         f"head.target_layer_ids={DFLASH_IDS}",
-        "head.learn_mask=true",
-        # as measured (67 of 215 accepted); a MASK vector started from row 16 learned less in
-        # these 80 steps (31 of 251)
-        "head.mask_token_id=2",
+        *head_overrides,
         "data.sources=[]",
         "+data.self_distill={enabled: true, prompts: [{path: data/corpora/oa_prompts_en/"
         "prompts.jsonl, skip: 16, max_rows: 32}], max_new_tokens: 48, batch_size: 8, "
@@ -578,6 +572,43 @@ def dflash_setup(tmp_path_factory):
     target_file = target_gguf(target_dir, root / "target-f32.gguf", "f32")
     draft_file = export_gguf(head, target, target_dir, root / "draft-f32.gguf", "f32")
     return target, head, target_dir, target_file, draft_file
+
+
+@pytest.fixture(scope="module")
+def dflash_setup(tmp_path_factory):
+    """The tiny target and a DFlash draft (block 8, a learned MASK vector, the target's full
+    vocabulary), the draft converted from the z-lab layout with mask_embedding.pt."""
+    return _tiny_block_draft(
+        tmp_path_factory.mktemp("llama_cpp_dflash"),
+        "dflash_tiny",
+        [
+            f"head.block_size={DFLASH_BLOCK}",
+            "head.learn_mask=true",
+            # as measured (67 of 215 accepted); a MASK vector started from row 16 learned less
+            # in these 80 steps (31 of 251)
+            "head.mask_token_id=2",
+        ],
+    )
+
+
+REDUCED_VOCAB = 1024
+
+
+@pytest.fixture(scope="module", params=["dflash", "dspark"])
+def reduced_block_setup(request, tmp_path_factory):
+    """The tiny target and a block draft over a reduced vocabulary (its own lm_head over the
+    1,024 most frequent answer tokens and d2t), converted through llama.cpp's DSpark converter:
+    a DFlash draft (block 8, 7 drafts from slot 1) and a DSpark draft (block 7, 7 drafts from
+    the anchor, rank-8 Markov head, confidence head)."""
+    extra = {
+        "dflash": [f"head.block_size={DFLASH_BLOCK}"],
+        "dspark": ["head.block_size=7", "head.markov_rank=8"],
+    }[request.param]
+    return _tiny_block_draft(
+        tmp_path_factory.mktemp(f"llama_cpp_{request.param}_reduced"),
+        f"{request.param}_tiny",
+        [*extra, "head.mask_token_id=2", f"head.draft_vocab_size={REDUCED_VOCAB}"],
+    )
 
 
 def test_dflash_gguf_records_the_block_layers_and_mask(dflash_setup):
@@ -612,7 +643,19 @@ def test_dflash_gguf_records_the_block_layers_and_mask(dflash_setup):
 
 def test_llama_cpp_dflash_speculative_equals_plain_and_acceptance_matches(dflash_setup):
     target, head, _, target_file, draft_file = dflash_setup
-    chain = DFLASH_BLOCK - 1
+    counts = _chain_parity(target, head, target_file, draft_file, "draft-dflash", DFLASH_BLOCK - 1)
+    h_acc, h_steps = counts["harness_accepted"], counts["steps"]
+    assert h_acc > 0.2 * h_steps, f"the tiny draft barely learned ({h_acc} in {h_steps} steps)"
+    (Path(target_file).parent / "parity.json").write_text(json.dumps(counts))
+
+
+def _chain_parity(target, head, target_file, draft_file, spec_type: str, chain: int) -> dict:
+    """Greedy llama-server runs of the tiny target alone and with `draft_file`: the draft must
+    not change llama.cpp's own output (beyond near ties of a batched verify), and llama.cpp must
+    accept as many drafted tokens as our harness on the same chain. Returns the counts."""
+    from eval.methods import head_method
+    from eval.tree import chain_paths
+
     prompts = _prompt_ids(target)
     engine = {"cache_type": "f32", "flash_attn": "off"}
     plain = _engine_runs(ServerConfig(model=str(target_file), **engine), prompts)
@@ -620,33 +663,76 @@ def test_llama_cpp_dflash_speculative_equals_plain_and_acceptance_matches(dflash
         ServerConfig(
             model=str(target_file),
             draft=str(draft_file),
-            spec_type="draft-dflash",
+            spec_type=spec_type,
             draft_n_max=chain,
             **engine,
         ),
         prompts,
     )
-    # lossless: llama.cpp's own plain output, except at a near tie of a batched verify
     for ids, a, b in zip(prompts, plain, spec):
         index = first_difference(a.tokens, b.tokens)
         if index is not None:
             gap, top1 = top2_gaps(target.model, torch.tensor([ids]), a.tokens)[index]
             assert gap < NEAR_TIE * max(1.0, abs(top1)), (
-                f"llama.cpp DFlash draft changed the output at token {index}: top-2 gap {gap}"
+                f"llama.cpp {spec_type} draft changed the output at token {index}: top-2 gap {gap}"
             )
-    # the block drafts are accepted in llama.cpp as in our harness (same chain, same prompts)
-    from eval.methods import head_method
-    from eval.tree import chain_paths
-
     method = head_method(target, "head", head, chain_paths(chain))
     harness = [method.generator.generate(torch.tensor([ids]), NEW_TOKENS) for ids in prompts]
     h_acc = sum(r.new_tokens.numel() - 1 - len(r.accept_lengths) for r in harness)
     e_acc = sum(c.draft_accepted for c in spec)
     h_steps = sum(len(r.accept_lengths) for r in harness)
-    assert h_acc > 0.2 * h_steps, f"the tiny draft barely learned ({h_acc} in {h_steps} steps)"
     assert abs(e_acc - h_acc) <= max(3, 0.1 * h_acc), (
         f"accepted draft tokens: llama.cpp {e_acc}, harness {h_acc}"
     )
-    (Path(target_file).parent / "parity.json").write_text(
-        json.dumps({"harness_accepted": h_acc, "llama_cpp_accepted": e_acc, "steps": h_steps})
+    return {"harness_accepted": h_acc, "llama_cpp_accepted": e_acc, "steps": h_steps}
+
+
+def test_reduced_vocabulary_block_drafts_convert_with_d2t(reduced_block_setup):
+    """llama.cpp's DSpark converter (conversion/qwen.py `DSparkModel`) writes the draft's own
+    D-row output head and d2t as absolute target ids (I64), and dflash.sample_from_anchor: false
+    for DFlash (drafts from slot 1, no Markov tensors) and true for DSpark (drafts from the
+    anchor, markov_w1 [V, r] and markov_w2 [D, r], the confidence projection)."""
+    import gguf
+
+    target, head, _, _, draft_file = reduced_block_setup
+    reader = gguf.GGUFReader(str(draft_file))
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    tensors = {t.name: t for t in reader.tensors}
+    dspark = head.method == "dspark"
+    assert fields["general.architecture"] == "dflash"
+    assert fields["dflash.sample_from_anchor"] is dspark
+    assert fields["dflash.target_layers"] == [i + 1 for i in DFLASH_IDS]
+    assert fields["dflash.block_size"] == head.block_size
+    d2t = torch.from_numpy(tensors["d2t"].data.copy()).reshape(-1)
+    # ours holds offsets (EAGLE-3's convention); the converter writes absolute target ids
+    absolute = head.draft_to_target(torch.arange(REDUCED_VOCAB)).cpu()
+    assert d2t.dtype == torch.int64 and torch.equal(d2t, absolute)
+    H = target.hidden_size
+    assert tensors["output.weight"].shape.tolist() == [H, REDUCED_VOCAB]  # ggml {in, out}
+    markov = {n for n in tensors if "markov" in n or "conf" in n}
+    if dspark:
+        assert any("markov_w1" in n for n in markov) and any("markov_w2" in n for n in markov)
+        assert any("conf" in n for n in markov)
+    else:
+        assert not markov
+    # the runtime borrows the target's embedding, unless the draft learned its MASK vector:
+    # then the draft carries the target's table with that vector in the mask row
+    assert head.mask_embedding is not None
+    embed = torch.from_numpy(tensors["token_embd.weight"].data.copy())
+    embed = embed.reshape(target.vocab_size, H)
+    mask_id = head.config.mask_token_id
+    assert torch.equal(embed[mask_id], head.mask_embedding.detach().float())
+    assert torch.equal(embed[:mask_id], target.embed_tokens.weight.detach().float()[:mask_id])
+
+
+def test_llama_cpp_serves_reduced_vocabulary_block_drafts_losslessly(reduced_block_setup):
+    target, head, _, target_file, draft_file = reduced_block_setup
+    from heads.interop.gguf import spec_type_for
+
+    counts = _chain_parity(
+        target, head, target_file, draft_file, spec_type_for(head), head.max_draft_depth
     )
+    assert counts["harness_accepted"] > 0.05 * counts["steps"], (
+        f"the tiny reduced-vocabulary draft barely learned: {counts}"
+    )
+    (Path(draft_file).parent / "parity.json").write_text(json.dumps(counts))

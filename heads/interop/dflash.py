@@ -105,9 +105,9 @@ def export_zlab(head: DFlashHead, target):
     if head.draft_vocab_size < V:
         raise ValueError(
             f"this DFlash head scores a reduced vocabulary ({head.draft_vocab_size} of {V} "
-            "tokens, with its own lm_head and d2t), but the z-lab layout (and llama.cpp's "
-            "DFlash GGUF) always use the target's lm_head. Use --format speculators, or train "
-            "with head.draft_vocab_size=null."
+            "tokens, with its own lm_head and d2t), but the z-lab layout always uses the "
+            "target's lm_head. Use --format speculators (vLLM) or --format gguf (llama.cpp), "
+            "or train with head.draft_vocab_size=null."
         )
     c = head.config
     config = {

@@ -8,7 +8,13 @@ hidden size from there, and for a learned DFlash MASK vector the target's embedd
 written into the draft GGUF with the vector in the mask token's row). A DFlash GGUF records
 `dflash.block_size`, `dflash.target_layers` (z-lab ids + 1, HF hidden_states indices) and
 `tokenizer.ggml.mask_token_id`; llama-server serves it with `--spec-type draft-dflash
---spec-draft-n-max B-1`. The target needs a
+--spec-draft-n-max B-1`. A DFlash head with a reduced draft vocabulary (its own lm_head over D
+tokens and d2t) goes through llama.cpp's DSpark converter instead, the one that reads
+`draft_vocab_size` and `d2t` (conversion/qwen.py `DSparkModel`): its speculators layout, named
+`DSparkSpeculator`, with `sample_from_anchor: false` and no Markov tensors, which the runtime
+(src/models/dflash.cpp) serves as a plain DFlash draft scattering its D logits through d2t. DSpark
+heads take the same converter with their Markov head (`--spec-type draft-dspark
+--spec-draft-n-max B`). The target needs a
 GGUF of its own only when it is not one already: the embedded SmolLM2 is shipped as Q4_1, and
 `target_gguf(..., outtype="f32")` converts its de-quantized folder for numerically faithful runs.
 """
@@ -21,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 from data.engines.llama_cpp import GGUF_OUTTYPES, convert_to_gguf
+from heads.interop.dflash import DSPARK_SPECULATORS_ARCH
 from heads.interop.export import export_draft, formats_for
 
 # head format written before conversion -> llama.cpp's --spec-type for the resulting GGUF
@@ -40,12 +47,8 @@ def gguf_source_format(head) -> str:
             f"{', '.join(formats_for(head))} for vLLM/SGLang instead."
         )
     if fmt == "dflash" and head.draft_vocab_size < head.target_info.vocab_size:
-        raise ValueError(
-            f"this DFlash head scores a reduced vocabulary ({head.draft_vocab_size} of "
-            f"{head.target_info.vocab_size} tokens, with its own lm_head), but llama.cpp's "
-            "DFlash drafts use the target's output head. Train with head.draft_vocab_size=null "
-            "for llama.cpp, or export it with --format speculators for vLLM."
-        )
+        # z-lab's layout has no lm_head or d2t; llama.cpp's DSpark converter reads both
+        return "speculators"
     return fmt
 
 
@@ -75,7 +78,25 @@ def export_gguf(
         export_draft(head, target, fmt, layout)
         if fmt == "speculators":
             _leave_target_tensors_to_llama_cpp(head, target, layout)
+            if head.method == "dflash":
+                _name_for_dspark_converter(layout)
         return convert_to_gguf(layout, out_file, outtype, target_model_dir=target_dir)
+
+
+def _name_for_dspark_converter(layout: Path) -> None:
+    """Name a reduced-vocabulary DFlash speculators layout `DSparkSpeculator`, the name under
+    which llama.cpp's converter reads `draft_vocab_size` and `d2t` (its DFlash converter reads
+    neither). `sample_from_anchor: false` stays: the runtime then drafts slots 1..B-1 from the
+    block [anchor, MASK x (B-1)] exactly as DFlash does, and without Markov tensors it is served
+    as `draft-dflash`."""
+    import json
+
+    file = layout / "config.json"
+    config = json.loads(file.read_text())
+    if config.get("sample_from_anchor") is not False:
+        raise ValueError("a DFlash speculators export records sample_from_anchor: false (a bug)")
+    config["architectures"] = [DSPARK_SPECULATORS_ARCH]
+    file.write_text(json.dumps(config, indent=2))
 
 
 def _leave_target_tensors_to_llama_cpp(head, target, layout: Path) -> None:
