@@ -24,6 +24,7 @@ from torch import Tensor
 
 from data.engines.llama_cpp import Completion, EngineError, LlamaServer, ServerConfig
 from eval.methods import Record
+from heads.interop.gguf import spec_type_of_gguf
 
 LLAMA_CPP_METHODS = ("llama_cpp_plain", "llama_cpp_draft", "llama_cpp_ngram")
 _ACC_PER_POS = re.compile(r"acc per pos = \(([^)]*)\)")
@@ -35,7 +36,7 @@ class LlamaCppSettings:
 
     target_gguf: str | None = None
     draft_gguf: str | None = None
-    spec_type: str = "draft-eagle3"
+    spec_type: str | None = None  # null: from the draft (eval.bench.llama_cpp_settings)
     draft_n_max: int = 3
     draft_n_min: int = 0
     draft_p_min: float = 0.0
@@ -156,7 +157,7 @@ def build_llama_cpp_methods(names, settings: LlamaCppSettings) -> list[LlamaCppM
             cfg = ServerConfig(
                 **base,
                 draft=settings.draft_gguf,
-                spec_type=settings.spec_type,
+                spec_type=settings.spec_type or spec_type_of_gguf(settings.draft_gguf),
                 draft_n_max=settings.draft_n_max,
                 draft_n_min=settings.draft_n_min,
                 draft_p_min=settings.draft_p_min,

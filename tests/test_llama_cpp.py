@@ -694,7 +694,13 @@ def test_reduced_vocabulary_block_drafts_convert_with_d2t(reduced_block_setup):
     anchor, markov_w1 [V, r] and markov_w2 [D, r], the confidence projection)."""
     import gguf
 
-    target, head, _, _, draft_file = reduced_block_setup
+    from heads.interop.gguf import spec_type_for, spec_type_of_gguf
+
+    target, head, _, target_file, draft_file = reduced_block_setup
+    # evaluate.py's llama_cpp.spec_type=null reads the serving type back from the file
+    assert spec_type_of_gguf(draft_file) == spec_type_for(head)
+    with pytest.raises(ValueError, match="llama_cpp.spec_type"):
+        spec_type_of_gguf(target_file)  # a target, not a draft
     reader = gguf.GGUFReader(str(draft_file))
     fields = {name: field.contents() for name, field in reader.fields.items()}
     tensors = {t.name: t for t in reader.tensors}

@@ -58,6 +58,27 @@ def spec_type_for(head) -> str:
     return GGUF_SPEC_TYPES[head.method]
 
 
+def spec_type_of_gguf(path: str | os.PathLike) -> str:
+    """The `--spec-type` that serves a draft GGUF, read from its metadata: an `eagle3`
+    architecture -> draft-eagle3; `dflash` -> draft-dspark when it carries a Markov head, else
+    draft-dflash (llama.cpp tells the two apart the same way)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    field = reader.fields.get("general.architecture")
+    arch = field.contents() if field is not None else None
+    if arch == "eagle3":
+        return GGUF_SPEC_TYPES["eagle3"]
+    if arch == "dflash":
+        markov = any("markov" in t.name for t in reader.tensors)
+        return GGUF_SPEC_TYPES["dspark" if markov else "dflash"]
+    raise ValueError(
+        f"{path}: architecture {arch!r} is not a draft llama.cpp serves with a --spec-type "
+        "(eagle3 or dflash); set llama_cpp.spec_type, or give a draft GGUF exported by "
+        "scripts/export.py --format gguf."
+    )
+
+
 def export_gguf(
     head,
     target,
