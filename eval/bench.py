@@ -299,6 +299,7 @@ def run(cfg) -> dict:
 
     import heads
     from heads.target import load_target
+    from train.checkpoint import head_from_checkpoint, is_checkpoint
 
     torch.manual_seed(cfg.seed)
     if cfg.get("threads"):
@@ -315,6 +316,8 @@ def run(cfg) -> dict:
     def load(path: str):
         if path not in loaded:
             where = path if path.startswith(heads.HUB_PREFIX) else resolve_path(path)
+            if is_checkpoint(where):  # RUN/checkpoints/step_N: that step's weights
+                where = head_from_checkpoint(where)
             head = heads.from_pretrained(where, target, allow_other_target=allow_other)
             loaded[path] = head.to(target.device).eval()
         return loaded[path]

@@ -27,6 +27,7 @@ from data.paths import resolve_path
 from eval.hooks import TauEvaluator
 from eval.model_card import render_model_card
 from heads.base import atomic_save_dir
+from train.checkpoint import head_from_checkpoint, is_checkpoint
 from train.rundir import BEST_FILE, CONFIG_FILE, DATA_STATS, kept_head, load_target_config
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,11 @@ class ExportResult:
 
 
 def find_head(source: str | Path) -> tuple[Path, Path | None]:
-    """(head folder, run dir or None) for a run dir (best_head, else head) or a head folder."""
+    """(head folder, run dir or None) for a run dir (best_head, else head), a head folder, or a
+    checkpoint folder (its step's weights: train.checkpoint.head_from_checkpoint)."""
     source = Path(resolve_path(source))
+    if is_checkpoint(source):  # RUN/checkpoints/step_N: that step's weights, the run's config
+        return head_from_checkpoint(source), source.parent.parent
     if (source / "config.json").is_file():
         run = source.parent if (source.parent / CONFIG_FILE).is_file() else None
         return source, run

@@ -5,7 +5,8 @@
     python scripts/export.py RUN_DIR --format eagle3 --out DIR --push-to-hub me/smollm2-eagle3
     python scripts/export.py RUN_DIR --format gguf --out DIR [--target-outtype f32] [--chain 7]
 
-RUN_DIR is what train.py wrote (its best_head/, else head/) or a head folder. Formats:
+RUN_DIR is what train.py wrote (its best_head/, else head/), a head folder, or a checkpoint
+(RUN_DIR/checkpoints/step_N: that step's weights). Formats:
 native (draftsmith's own), eagle3 (vLLM / SGLang EAGLE-3), eagle (EAGLE-1/2), medusa (vLLM's
 Medusa), medusa_fd (FasterDecoding/Medusa), dflash (z-lab's DFlash layout: vLLM, SGLang,
 llama.cpp's converter), speculators (vllm-project/speculators' DFlashSpeculator). The folder

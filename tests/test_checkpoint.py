@@ -347,3 +347,43 @@ def test_another_head_or_data_is_refused(target, tmp_path):
     with pytest.raises(ckpt.CheckpointError, match=r"training data \(sha1 aaaa"):
         once({"head": {"num_heads": 2}}, "b" * 40)
     assert "num_heads: 2" in (tmp_path / "config.yaml").read_text()  # the refused run wrote none
+
+
+def test_a_checkpoint_becomes_a_head_folder(target, tmp_path):
+    from safetensors.torch import load_file
+
+    from eval.export import find_head
+    from train.rundir import CHECKPOINT_HEADS, HEAD_DIR, manifest_problems
+
+    run_dir = tmp_path / "run"
+    run(target, run_dir, keep_last=0)  # checkpoints at steps 3 and 6, then head/
+    final = load_file(str(run_dir / HEAD_DIR / "model.safetensors"))
+    at_6 = ckpt.head_from_checkpoint(run_dir / "checkpoints" / "step_6")
+    assert at_6 == run_dir / CHECKPOINT_HEADS / "step_6" and not manifest_problems(at_6)
+    got = load_file(str(at_6 / "model.safetensors"))
+    assert got.keys() == final.keys() and all(torch.equal(got[k], final[k]) for k in got)
+    config = (at_6 / "config.json").read_text()
+    assert config == (run_dir / HEAD_DIR / "config.json").read_text()
+    info = json.loads((at_6 / ckpt.CHECKPOINT_INFO).read_text())
+    assert info["step"] == 6
+    # step 3 holds that step's trained weights, not the final ones
+    at_3 = load_file(
+        str(ckpt.head_from_checkpoint(run_dir / "checkpoints" / "step_3") / "model.safetensors")
+    )
+    trained = load_file(str(run_dir / "checkpoints" / "step_3" / ckpt.HEAD_FILE))
+    assert all(torch.equal(at_3[k], trained[k]) for k in trained)
+    assert not all(torch.equal(at_3[k], final[k]) for k in trained)
+    # export and evaluate take the checkpoint folder itself
+    assert find_head(run_dir / "checkpoints" / "step_3") == (
+        at_3_dir := run_dir / CHECKPOINT_HEADS / "step_3",
+        run_dir,
+    )
+    assert at_3_dir.is_dir()
+
+
+def test_a_checkpoint_of_a_run_without_a_head_says_what_to_do(target, tmp_path):
+    run(target, tmp_path / "run", stop_at=3)  # stopped before any head was written
+    with pytest.raises(ckpt.CheckpointError, match="no saved head.*resume it"):
+        ckpt.head_from_checkpoint(tmp_path / "run" / "checkpoints" / "step_3")
+    with pytest.raises(ckpt.CheckpointError, match="not a checkpoint folder"):
+        ckpt.head_from_checkpoint(tmp_path / "run")

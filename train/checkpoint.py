@@ -54,7 +54,14 @@ from torch.optim import Optimizer
 
 from data.errors import DraftsmithError
 from heads.base import atomic_save_dir, check_finite
-from train.rundir import CHECKPOINTS, MANIFEST_FILE, manifest_problems, write_manifest
+from train.rundir import (
+    CHECKPOINT_HEADS,
+    CHECKPOINTS,
+    MANIFEST_FILE,
+    kept_head,
+    manifest_problems,
+    write_manifest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +71,7 @@ OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng.pt"
 RUN_FILE = "run.json"
+CHECKPOINT_INFO = "checkpoint.json"  # in a head folder made from a checkpoint: where, which step
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # what reading a truncated or garbled checkpoint file raises
 _UNREADABLE = (
@@ -359,3 +367,58 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def is_checkpoint(folder: str | os.PathLike) -> bool:
+    """True for a checkpoint folder (RUN/checkpoints/step_N)."""
+    folder = Path(folder)
+    return (folder / STATE_FILE).is_file() and (folder / HEAD_FILE).is_file()
+
+
+def head_from_checkpoint(checkpoint: str | os.PathLike) -> Path:
+    """A head folder (what `heads.from_pretrained` loads) for the weights of a checkpoint, to
+    evaluate or export a run at any saved step (e.g. at equal CPU time with another draft).
+
+    A checkpoint holds the trained tensors only; the config and the fixed buffers (a reduced
+    vocabulary's d2t/t2d) come from the head the same run kept (best_head/ or head/), which
+    a run writes at its first evaluation or at its end. Written once, atomically and with a
+    manifest, to RUN/checkpoint_heads/step_N; returns that folder."""
+    from heads.base import CONFIG_NAME, WEIGHTS_NAME
+
+    checkpoint = Path(checkpoint).resolve()
+    if not is_checkpoint(checkpoint):
+        raise CheckpointError(f"{checkpoint}: not a checkpoint folder ({STATE_FILE}, {HEAD_FILE})")
+    run_dir = checkpoint.parent.parent
+    out = run_dir / CHECKPOINT_HEADS / checkpoint.name
+    if (out / CONFIG_NAME).is_file() and not manifest_problems(out):
+        return out
+    problems = manifest_problems(checkpoint)
+    if problems and problems != [f"no {MANIFEST_FILE}"]:
+        raise CheckpointError(f"{checkpoint} is damaged ({'; '.join(problems[:3])})")
+    kept = kept_head(run_dir)
+    if kept is None:
+        raise CheckpointError(
+            f"{run_dir} has no saved head (best_head/ or head/) to take the head's config from; "
+            "a run writes one at its first evaluation (trainer.eval_every with evaluators) or at "
+            "its end: resume it until then."
+        )
+    reference = load_file(str(kept / WEIGHTS_NAME))
+    trained = load_file(str(checkpoint / HEAD_FILE))
+    for name, tensor in trained.items():
+        if name not in reference or reference[name].shape != tensor.shape:
+            raise CheckpointError(
+                f"{checkpoint}: tensor {name} does not fit the run's kept head {kept} "
+                "(another head config?)"
+            )
+    tensors = reference | trained
+
+    def write(tmp: Path) -> None:
+        shutil.copy2(kept / CONFIG_NAME, tmp / CONFIG_NAME)
+        save_file(tensors, str(tmp / WEIGHTS_NAME), {"format": "pt"})
+        state = json.loads((checkpoint / STATE_FILE).read_text())
+        (tmp / CHECKPOINT_INFO).write_text(json.dumps({"from": str(checkpoint), **state}))
+        write_manifest(tmp)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_save_dir(out, write)
+    return out

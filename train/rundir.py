@@ -33,6 +33,7 @@ DATA_STATS = "data_stats.json"
 METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_run_id"
 CHECKPOINTS = "checkpoints"
+CHECKPOINT_HEADS = "checkpoint_heads"  # head folders made from checkpoints (train.checkpoint)
 HEAD_DIR = "head"
 BEST_DIR = "best_head"
 BEST_FILE = "best.json"
