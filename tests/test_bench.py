@@ -235,6 +235,7 @@ def test_tau_evaluator(tiny_llama, tmp_path):
 def test_bench_and_verifier_configs_instantiate():
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
+    from omegaconf import OmegaConf
 
     from eval.verify import GreedyVerifier, SpeculativeSampler, TypicalVerifier
 
@@ -248,6 +249,17 @@ def test_bench_and_verifier_configs_instantiate():
             assert isinstance(instantiate(cfg.verifier), cls)
         cfg = compose("evaluate", overrides=["+experiment=medusa_llama", "tree=tree32"])
         assert cfg.model.name_or_path == "smollm2_135m" and len(cfg.tree.paths) == 31
+        # `tree=7` (a chain, as the block drafters' docs write it) reaches Hydra as a chain
+        import evaluate
+        from eval.tree import chain_paths
+        from eval.tree_spec import resolve_tree
+
+        argv = evaluate.chain_overrides(["+experiment=dflash_llama", "tree=7", "seed=1"])
+        assert argv[0] == "+experiment=dflash_llama" and argv[-1] == "seed=1"
+        cfg = compose("evaluate", overrides=argv)
+        spec = resolve_tree(OmegaConf.to_container(cfg.tree, resolve=True))
+        assert spec.paths == tuple(tuple(p) for p in chain_paths(7)) and spec.depth == 7
+        assert evaluate.chain_overrides(["tree=tree16", "tree=0"]) == ["tree=tree16", "tree=0"]
 
 
 @pytest.mark.integration
