@@ -382,11 +382,11 @@ def run(cfg) -> dict:
 
 def llama_cpp_settings(cfg, head, target, out_dir: Path) -> LlamaCppSettings:
     """bench.llama_cpp resolved: the target GGUF ("auto": the target's own file; an outtype:
-    converted once), the draft GGUF (exported from `head` when not given) and its --spec-type
-    (null: the head's, or read from the given draft GGUF)."""
+    converted once) and the draft GGUF (exported from `head` when not given); a null
+    --spec-type is read from that file when the servers start (build_llama_cpp_methods)."""
     from omegaconf import OmegaConf
 
-    from heads.interop.gguf import chosen_target_gguf, export_gguf, spec_type_for
+    from heads.interop.gguf import chosen_target_gguf, export_gguf
     from heads.target import resolve_source
 
     doc = OmegaConf.to_container(cfg.llama_cpp, resolve=True)
@@ -399,7 +399,6 @@ def llama_cpp_settings(cfg, head, target, out_dir: Path) -> LlamaCppSettings:
         source, _ = resolve_source(model_cfg)
         draft = out_dir / "draft-f32.gguf"
         settings.draft_gguf = str(export_gguf(head, target, source, draft, "f32"))
-        settings.spec_type = settings.spec_type or spec_type_for(head)
     return settings
 
 

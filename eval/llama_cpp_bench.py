@@ -36,7 +36,7 @@ class LlamaCppSettings:
 
     target_gguf: str | None = None
     draft_gguf: str | None = None
-    spec_type: str | None = None  # null: from the draft (eval.bench.llama_cpp_settings)
+    spec_type: str | None = None  # null: read from the draft GGUF (spec_type_of_gguf)
     draft_n_max: int = 3
     draft_n_min: int = 0
     draft_p_min: float = 0.0

@@ -392,8 +392,8 @@ def head_from_checkpoint(checkpoint: str | os.PathLike) -> Path:
     out = run_dir / CHECKPOINT_HEADS / checkpoint.name
     if (out / CONFIG_NAME).is_file() and not manifest_problems(out):
         return out
-    problems = manifest_problems(checkpoint)
-    if problems and problems != [f"no {MANIFEST_FILE}"]:
+    problems = checkpoint_problems(checkpoint)
+    if problems:
         raise CheckpointError(f"{checkpoint} is damaged ({'; '.join(problems[:3])})")
     kept = kept_head(run_dir)
     if kept is None:
