@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 import time
@@ -159,7 +160,9 @@ def run_point(args, point: dict, train_rows: list[dict], val_file: Path) -> dict
         if not (run_dir / "head").is_dir():
             write_atomic(data_file, cut_to_tokens(train_rows, budget))
     elif point["kind"] == "corpus_prompts":
-        sources = [Path(point["path"])]
+        sources = [data_file]
+        if not (run_dir / "head").is_dir():
+            write_atomic(data_file, shuffled(read_jsonl(Path(point["path"]))))
     elif point["kind"] == "human":
         sources = [REPO / h for h in HUMAN]
     else:
@@ -266,6 +269,14 @@ def target_dir() -> str:
 
 def loss_tokens(rows: list[dict]) -> int:
     return sum(_assistant_tokens(r) for r in rows)
+
+
+def shuffled(rows: list[dict], seed: int = 0) -> list[dict]:
+    """The rows in a seeded random order. A self-distilled corpus file is written one prompt
+    source after another, so a budget's prefix of it would hold only the first source."""
+    rows = list(rows)
+    random.Random(seed).shuffle(rows)
+    return rows
 
 
 def cut_to_tokens(rows: list[dict], budget: int) -> list[dict]:
