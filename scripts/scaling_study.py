@@ -14,9 +14,16 @@ categories, both turns, --max-new-tokens) with each of the method's trees. Extra
 data kinds at one budget (--compare): the default recipe's corpus prompts answered by the target,
 and the human answers of the corpora (teacher-forced human text).
 
+--kind names the kind of --data (its points are keyed METHOD-KIND-BUDGET; default synth), so one
+report holds curves on several files, e.g. the synthesised conversations and the target's answers
+to every corpus prompt (`data=smollm2_distilled_full`). A file written one prompt source after
+another needs --shuffle: a seeded shuffle before the held-out cut, so the held-out set and every
+budget sample each source.
+
 Resumable: a point whose head exists is not trained again, an evaluation with a summary is not
 rerun, and a budget larger than the data written so far waits for a later invocation. Results
-accumulate in OUT/results.json; the report and plots are rendered from it.
+accumulate in docs/scaling/results.json (merged point by point, so two invocations on different
+points may run side by side); the report and plots are rendered from it.
 """
 
 from __future__ import annotations
@@ -48,8 +55,15 @@ def main() -> None:
     p.add_argument(
         "--steps",
         type=json.loads,
-        default={"medusa_llama": 200, "eagle3_llama": 150},
+        default={"medusa_llama": 200, "eagle3_llama": 300},
         help="training steps per method, JSON (default: the 20-minute recipes' steps)",
+    )
+    p.add_argument("--kind", default="synth", help="the kind of --data, naming its points")
+    p.add_argument(
+        "--shuffle",
+        action="store_true",
+        help="shuffle --data (seeded) before the held-out cut: for a file written one prompt "
+        "source after another (it must be complete)",
     )
     p.add_argument("--val-rows", type=int, default=80)
     p.add_argument("--max-length", type=int, default=768, help="data.max_length of every run")
@@ -83,12 +97,14 @@ def main() -> None:
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results_file = args.docs / "scaling" / "results.json"
-    results = json.loads(results_file.read_text()) if results_file.is_file() else {"points": {}}
+    results = load_results(results_file)
     if not args.report_only:
         if args.data is None:
             p.error("--data is required (or --report-only)")
         val_file = args.out / "val.jsonl"
         rows = complete_rows(args.data)
+        if args.shuffle:
+            rows = shuffled(rows)
         if not val_file.is_file():
             if len(rows) < args.val_rows:
                 sys.exit(
@@ -109,12 +125,23 @@ def main() -> None:
             if point.get("wait"):
                 print(f"{key}: waiting for data ({have} of {point['budget']} tokens)", flush=True)
                 continue
-            res = results["points"].get(key, {})
-            res.update(run_point(args, point, train_rows, val_file))
-            results["points"][key] = res
-            results["meta"] = meta(args)
-            write_atomic_text(results_file, json.dumps(results, indent=2) + "\n")
+            out = run_point(args, point, train_rows, val_file)
+            results = record(results_file, key, out, point["kind"], meta(args))
     render(results, args.docs)
+
+
+def load_results(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {"points": {}}
+
+
+def record(path: Path, key: str, out: dict, kind: str, run_meta: dict) -> dict:
+    """Adds one point's results to the file. It is read again just before the write, so the
+    points another invocation added meanwhile are kept."""
+    results = load_results(path)
+    results["points"][key] = results["points"].get(key, {}) | out
+    results.setdefault("meta_by_kind", {})[kind] = run_meta
+    write_atomic_text(path, json.dumps(results, indent=2) + "\n")
+    return results
 
 
 def plan(args, have: int) -> list[dict]:
@@ -125,9 +152,10 @@ def plan(args, have: int) -> list[dict]:
             trees = [t for t in EXPERIMENTS[method] if t != "dynamic" or budget in dynamic_at]
             points.append(
                 {
-                    "key": f"{method}-synth-{budget}",
+                    "key": f"{method}-{args.kind}-{budget}",
                     "method": method,
-                    "kind": "synth",
+                    "kind": args.kind,
+                    "main": True,
                     "budget": budget,
                     "trees": trees,
                     "wait": have < budget * 0.98,
@@ -155,7 +183,7 @@ def run_point(args, point: dict, train_rows: list[dict], val_file: Path) -> dict
     experiment = method
     run_dir = args.out / point["key"]
     data_file = args.out / f"train-{point['key']}.jsonl"
-    if point["kind"] == "synth":
+    if point.get("main"):
         sources = [data_file]
         if not (run_dir / "head").is_dir():
             write_atomic(data_file, cut_to_tokens(train_rows, budget))
@@ -183,6 +211,8 @@ def run_point(args, point: dict, train_rows: list[dict], val_file: Path) -> dict
     if args.threads:
         env |= {"OMP_NUM_THREADS": str(args.threads)}
     out: dict = {k: point[k] for k in ("method", "kind", "budget")} | {"steps": steps}
+    if point.get("main"):
+        out |= {"series": True, "gen_tokens_per_s": args.gen_tokens_per_s}
     if not (run_dir / "head").is_dir():
         t0 = time.time()
         call([sys.executable, "train.py", *overrides], env, run_dir / "train.log")
@@ -251,20 +281,17 @@ _TOKENIZER = None
 def _assistant_tokens(row: dict) -> int:
     global _TOKENIZER
     if _TOKENIZER is None:
-        from transformers import AutoTokenizer
+        from data.paths import cache_root
+        from heads.target import TargetConfig, load_tokenizer
 
-        from train.rundir import load_conf_target  # noqa: F401 (makes sure the target exists)
-
-        _TOKENIZER = AutoTokenizer.from_pretrained(target_dir())
+        # the embedded target's tokenizer (converted from its GGUF on first use)
+        name = "smollm2_135m"
+        _TOKENIZER = load_tokenizer(
+            name, TargetConfig(name_or_path=name, cache_dir=str(cache_root()))
+        )
     text = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
     # each answer also ends with its end-of-turn token
     return sum(len(_TOKENIZER(t, add_special_tokens=False).input_ids) + 1 for t in text)
-
-
-def target_dir() -> str:
-    from data.paths import cache_root
-
-    return str(cache_root() / "targets" / "smollm2_135m")
 
 
 def loss_tokens(rows: list[dict]) -> int:
@@ -305,6 +332,8 @@ def write_atomic_text(path: Path, text: str) -> None:
 def meta(args) -> dict:
     return {
         "data": str(args.data),
+        "kind": args.kind,
+        "shuffled": args.shuffle,
         "val_rows": args.val_rows,
         "max_length": args.max_length,
         "steps": args.steps,
@@ -325,7 +354,7 @@ def render(results: dict, docs: Path) -> None:
         return
     folder = docs / "scaling"
     folder.mkdir(parents=True, exist_ok=True)
-    gen = (results.get("meta") or {}).get("gen_tokens_per_s")
+    gen = {key: gen_rate(results, r) for key, r in points.items()}
     lines = []
     head = (
         "| method | data | assistant tokens | steps | train top-1 (1st draft) | held-out "
@@ -337,7 +366,7 @@ def render(results: dict, docs: Path) -> None:
         r = points[key]
         val = [r.get(f"val/{h}/top1") for h in first_three(r)]
         tr = r.get(f"train/{first_three(r)[0]}/top1")
-        data_min = r["budget"] / gen / 60 if gen and r["kind"] != "human" else None
+        data_min = r["budget"] / gen[key] / 60 if gen[key] else None
         lines.append(
             f"| {r['method']} | {r['kind']} | {r['budget']:,} | {r['steps']} | {fmt(tr)} | "
             f"{' / '.join(fmt(v) for v in val)} | {fmt(r.get('tau_tree16'))} | "
@@ -347,6 +376,25 @@ def render(results: dict, docs: Path) -> None:
     (folder / "table.md").write_text("\n".join(lines) + "\n")
     plots(points, folder, gen)
     print("\n".join(lines))
+
+
+def in_series(r: dict) -> bool:
+    """Whether a point lies on a curve over budgets (not a one-budget comparison point); the
+    first study's points predate the flag and were all of kind synth."""
+    return bool(r.get("series")) or r["kind"] == "synth"
+
+
+def gen_rate(results: dict, r: dict) -> float | None:
+    """Generation tokens/s of a point's data, for its data minutes (None: none generated, or
+    not known). The first study kept it once, in results["meta"], for its synth points."""
+    if r["kind"] == "human":
+        return None
+    if r.get("gen_tokens_per_s"):
+        return r["gen_tokens_per_s"]
+    meta_kind = (results.get("meta_by_kind") or {}).get(r["kind"]) or {}
+    if meta_kind.get("gen_tokens_per_s"):
+        return meta_kind["gen_tokens_per_s"]
+    return (results.get("meta") or {}).get("gen_tokens_per_s")
 
 
 def first_three(r: dict) -> list[str]:
@@ -360,35 +408,35 @@ def fmt(v, digits: int = 3) -> str:
     return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
 
-def plots(points: dict, folder: Path, gen: float | None) -> None:
+def plots(points: dict, folder: Path, gen: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for method in sorted({r["method"] for r in points.values()}):
-        mine = [r for r in points.values() if r["method"] == method and r["kind"] == "synth"]
-        synth = sorted(mine, key=lambda r: r["budget"])
-        if not synth:
-            continue
-        x = [r["budget"] for r in synth]
+    for method, kind in sorted({(r["method"], r["kind"]) for r in points.values() if in_series(r)}):
+        keys = [k for k, r in points.items() if r["method"] == method and r["kind"] == kind]
+        keys.sort(key=lambda k: points[k]["budget"])
+        name = f"{method} {kind}"
         for tree, style in (("tree16", "-o"), ("dynamic", "--s")):
-            pts = [(r["budget"], r[f"tau_{tree}"]) for r in synth if f"tau_{tree}" in r]
-            if pts:
-                axes[0].plot(*zip(*pts), style, label=f"{method} {tree}")
-                minutes = [
-                    ((points_r.get("train_wall_s") or 0) + (b / gen if gen else 0)) / 60
-                    for b, points_r in ((r["budget"], r) for r in synth if f"tau_{tree}" in r)
-                ]
-                axes[1].plot(minutes, [t for _, t in pts], style, label=f"{method} {tree}")
-        first = first_three(synth[0])[0]
-        axes[2].plot(
-            x, [r.get(f"val/{first}/top1") for r in synth], "-o", label=f"{method} held-out"
-        )
-        axes[2].plot(
-            x, [r.get(f"train/{first}/top1") for r in synth], ":o", label=f"{method} train"
-        )
+            mine = [k for k in keys if f"tau_{tree}" in points[k]]
+            if not mine:
+                continue
+            taus = [points[k][f"tau_{tree}"] for k in mine]
+            axes[0].plot([points[k]["budget"] for k in mine], taus, style, label=f"{name} {tree}")
+            minutes = [
+                ((points[k].get("train_wall_s") or 0)
+                 + (points[k]["budget"] / gen[k] if gen.get(k) else 0)) / 60
+                for k in mine
+            ]  # fmt: skip
+            axes[1].plot(minutes, taus, style, label=f"{name} {tree}")
+        first = first_three(points[keys[0]])[0]
+        x = [points[k]["budget"] for k in keys]
+        axes[2].plot(x, [points[k].get(f"val/{first}/top1") for k in keys], "-o",
+                     label=f"{name} held-out")  # fmt: skip
+        axes[2].plot(x, [points[k].get(f"train/{first}/top1") for k in keys], ":o",
+                     label=f"{name} train")  # fmt: skip
     for ax, title, xl in (
         (axes[0], "MT-bench tau vs self-distilled tokens", "assistant tokens (log)"),
         (axes[1], "tau vs wall minutes (generation + training)", "minutes"),
@@ -397,7 +445,7 @@ def plots(points: dict, folder: Path, gen: float | None) -> None:
         ax.set_title(title, fontsize=10)
         ax.set_xlabel(xl)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     axes[0].set_xscale("log")
     axes[2].set_xscale("log")
     fig.tight_layout()

@@ -36,3 +36,56 @@ def test_cut_to_tokens_stops_at_the_budget():
     ] * 10
     cut = study.cut_to_tokens(rows, 1)
     assert 1 <= len(cut) < len(rows)
+
+
+def _point(method, kind, budget, tau, **extra):
+    common = {"steps": 10, "val/head0/top1": 0.3, "train/head0/top1": 0.5, "train_wall_s": 60.0}
+    return {"method": method, "kind": kind, "budget": budget, "tau_tree16": tau} | common | extra
+
+
+def test_report_keeps_curves_of_each_data_kind_apart(tmp_path):
+    study = _study()
+    results = {
+        # the first study: synth points without the series flag, their rate kept once in meta
+        "meta": {"gen_tokens_per_s": 100.0},
+        "meta_by_kind": {"corpus": {"gen_tokens_per_s": 300.0}},
+        "points": {
+            "m-synth-1000": _point("m", "synth", 1000, 1.3),
+            "m-synth-4000": _point("m", "synth", 4000, 1.4),
+            "m-corpus-1000": _point("m", "corpus", 1000, 1.5, series=True),
+            "m-corpus-4000": _point("m", "corpus", 4000, 1.6, series=True, gen_tokens_per_s=400.0),
+            "m-human-1000": _point("m", "human", 1000, 1.2),
+            "m-corpus_prompts-1000": _point("m", "corpus_prompts", 1000, 1.45),
+        },
+    }
+    pts = results["points"]
+    assert [study.in_series(pts[k]) for k in pts] == [True, True, True, True, False, False]
+    rates = {k: study.gen_rate(results, r) for k, r in pts.items()}
+    assert rates == {
+        "m-synth-1000": 100.0, "m-synth-4000": 100.0,  # the old meta
+        "m-corpus-1000": 300.0,  # its kind's meta
+        "m-corpus-4000": 400.0,  # its own rate wins
+        "m-human-1000": None,  # human text is not generated
+        "m-corpus_prompts-1000": 100.0,
+    }  # fmt: skip
+    study.render(results, tmp_path)
+    table = (tmp_path / "scaling" / "table.md").read_text().splitlines()
+    assert len(table) == 2 + len(pts)
+    corpus_big = next(line for line in table if "| corpus | 4,000 |" in line)
+    assert "| 1.600 |" in corpus_big and corpus_big.endswith("| 1.0 | 0.2 |")  # 4000/400/60
+    assert (tmp_path / "scaling" / "scaling.png").stat().st_size > 10_000
+
+
+def test_results_are_merged_with_what_another_run_wrote(tmp_path):
+    study = _study()
+    f = tmp_path / "results.json"
+    assert study.load_results(f) == {"points": {}}
+    study.record(f, "a", {"tau_tree16": 1.5}, "synth", {"data": "x"})
+    # another invocation, which loaded the file before "a" existed, records its own point
+    study.record(f, "b", {"tau_tree16": 1.6}, "corpus", {"data": "y"})
+    # and a later evaluation of "a" adds a tree without dropping what "a" had
+    study.record(f, "a", {"tau_dynamic": 1.7}, "synth", {"data": "x"})
+    got = study.load_results(f)
+    assert got["points"] == {"a": {"tau_tree16": 1.5, "tau_dynamic": 1.7}, "b": {"tau_tree16": 1.6}}
+    assert got["meta_by_kind"] == {"synth": {"data": "x"}, "corpus": {"data": "y"}}
+    assert not list(tmp_path.glob("*.tmp"))
