@@ -399,7 +399,9 @@ def gen_rate(results: dict, r: dict) -> float | None:
 
 def first_three(r: dict) -> list[str]:
     names = sorted({k.split("/")[1] for k in r if k.startswith("val/") and k.endswith("/top1")})
-    return (names + ["-", "-", "-"])[:3]
+    # EAGLE-3 logs its first draft twice (head0 and step0); its positions are the steps
+    steps = [n for n in names if n.startswith("step")]
+    return ((steps or names) + ["-", "-", "-"])[:3]
 
 
 def fmt(v, digits: int = 3) -> str:

@@ -89,3 +89,12 @@ def test_results_are_merged_with_what_another_run_wrote(tmp_path):
     assert got["points"] == {"a": {"tau_tree16": 1.5, "tau_dynamic": 1.7}, "b": {"tau_tree16": 1.6}}
     assert got["meta_by_kind"] == {"synth": {"data": "x"}, "corpus": {"data": "y"}}
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_eagle3_positions_are_its_unrolled_steps_not_a_repeat_of_the_first():
+    study = _study()
+    eagle = {"val/head0/top1": 0.3, "val/step0/top1": 0.3, "val/step1/top1": 0.2,
+             "val/step2/top1": 0.1, "val/loss": 9.0}  # fmt: skip
+    assert study.first_three(eagle) == ["step0", "step1", "step2"]
+    medusa = {"val/head0/top1": 0.3, "val/head1/top1": 0.2}
+    assert study.first_three(medusa) == ["head0", "head1", "-"]
