@@ -41,6 +41,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # the experiments a point trains, and the trees its tau is measured with
 EXPERIMENTS = {"medusa_llama": ["tree16"], "eagle3_llama": ["tree16", "dynamic"]}
+# the one-budget comparison points (--compare); every other kind is a curve over budgets
+COMPARISONS = ("corpus_prompts", "human")
 HUMAN = [
     "data/corpora/oasst_en/conversations.jsonl",
     "data/corpora/gpteacher_roleplay/roleplay-simple-deduped-roleplay-instruct.json",
@@ -95,6 +97,8 @@ def main() -> None:
     p.add_argument("--docs", type=Path, default=REPO / "docs")
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args()
+    if args.kind in COMPARISONS:
+        p.error(f"--kind {args.kind} names a --compare point; give --data another kind")
     args.out.mkdir(parents=True, exist_ok=True)
     results_file = args.docs / "scaling" / "results.json"
     results = load_results(results_file)
@@ -155,7 +159,6 @@ def plan(args, have: int) -> list[dict]:
                     "key": f"{method}-{args.kind}-{budget}",
                     "method": method,
                     "kind": args.kind,
-                    "main": True,
                     "budget": budget,
                     "trees": trees,
                     "wait": have < budget * 0.98,
@@ -163,6 +166,8 @@ def plan(args, have: int) -> list[dict]:
             )
     for extra in args.compare:
         kind, _, path = extra.partition("=")
+        if kind not in COMPARISONS:
+            raise SystemExit(f"unknown comparison {kind!r}: use corpus_prompts=FILE or human")
         budget = min(args.budgets)
         for method in args.methods:
             points.append(
@@ -183,7 +188,7 @@ def run_point(args, point: dict, train_rows: list[dict], val_file: Path) -> dict
     experiment = method
     run_dir = args.out / point["key"]
     data_file = args.out / f"train-{point['key']}.jsonl"
-    if point.get("main"):
+    if point["kind"] not in COMPARISONS:
         sources = [data_file]
         if not (run_dir / "head").is_dir():
             write_atomic(data_file, cut_to_tokens(train_rows, budget))
@@ -191,10 +196,8 @@ def run_point(args, point: dict, train_rows: list[dict], val_file: Path) -> dict
         sources = [data_file]
         if not (run_dir / "head").is_dir():
             write_atomic(data_file, shuffled(read_jsonl(Path(point["path"]))))
-    elif point["kind"] == "human":
+    else:  # human
         sources = [REPO / h for h in HUMAN]
-    else:
-        raise SystemExit(f"unknown comparison {point['kind']!r}: use corpus_prompts=FILE or human")
     steps = int(args.steps[method])
     src = ",".join(f"{{path: '{s}'}}" for s in sources)
     overrides = [
@@ -211,8 +214,8 @@ def run_point(args, point: dict, train_rows: list[dict], val_file: Path) -> dict
     if args.threads:
         env |= {"OMP_NUM_THREADS": str(args.threads)}
     out: dict = {k: point[k] for k in ("method", "kind", "budget")} | {"steps": steps}
-    if point.get("main"):
-        out |= {"series": True, "gen_tokens_per_s": args.gen_tokens_per_s}
+    if point["kind"] not in COMPARISONS:
+        out["gen_tokens_per_s"] = args.gen_tokens_per_s
     if not (run_dir / "head").is_dir():
         t0 = time.time()
         call([sys.executable, "train.py", *overrides], env, run_dir / "train.log")
@@ -379,9 +382,8 @@ def render(results: dict, docs: Path) -> None:
 
 
 def in_series(r: dict) -> bool:
-    """Whether a point lies on a curve over budgets (not a one-budget comparison point); the
-    first study's points predate the flag and were all of kind synth."""
-    return bool(r.get("series")) or r["kind"] == "synth"
+    """Whether a point lies on a curve over budgets, not a one-budget comparison point."""
+    return r["kind"] not in COMPARISONS
 
 
 def gen_rate(results: dict, r: dict) -> float | None:

@@ -46,14 +46,14 @@ def _point(method, kind, budget, tau, **extra):
 def test_report_keeps_curves_of_each_data_kind_apart(tmp_path):
     study = _study()
     results = {
-        # the first study: synth points without the series flag, their rate kept once in meta
+        # the first study: synth points whose rate was kept once, in meta
         "meta": {"gen_tokens_per_s": 100.0},
         "meta_by_kind": {"corpus": {"gen_tokens_per_s": 300.0}},
         "points": {
             "m-synth-1000": _point("m", "synth", 1000, 1.3),
             "m-synth-4000": _point("m", "synth", 4000, 1.4),
-            "m-corpus-1000": _point("m", "corpus", 1000, 1.5, series=True),
-            "m-corpus-4000": _point("m", "corpus", 4000, 1.6, series=True, gen_tokens_per_s=400.0),
+            "m-corpus-1000": _point("m", "corpus", 1000, 1.5),
+            "m-corpus-4000": _point("m", "corpus", 4000, 1.6, gen_tokens_per_s=400.0),
             "m-human-1000": _point("m", "human", 1000, 1.2),
             "m-corpus_prompts-1000": _point("m", "corpus_prompts", 1000, 1.45),
         },
@@ -98,3 +98,24 @@ def test_eagle3_positions_are_its_unrolled_steps_not_a_repeat_of_the_first():
     assert study.first_three(eagle) == ["step0", "step1", "step2"]
     medusa = {"val/head0/top1": 0.3, "val/head1/top1": 0.2}
     assert study.first_three(medusa) == ["head0", "head1", "-"]
+
+
+def test_a_data_kind_may_not_take_a_comparison_name():
+    import argparse
+    import subprocess
+    import sys
+
+    import pytest
+
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--kind", "human"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "names a --compare point" in proc.stderr
+    study = _study()
+    args = argparse.Namespace(budgets=[1000], methods=["medusa_llama"], dynamic_at=None,
+                              kind="corpus", compare=["human", "nonsense=f.jsonl"])  # fmt: skip
+    with pytest.raises(SystemExit, match="unknown comparison 'nonsense'"):
+        study.plan(args, have=5000)
+    args.compare = ["human"]
+    kinds = [p["kind"] for p in study.plan(args, have=5000)]
+    assert kinds == ["corpus", "human"]
