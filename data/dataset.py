@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 Example = dict[str, torch.Tensor]
 SEQUENCE_KEYS = ("input_ids", "loss_mask")
 FEATURE_KEYS = ("hidden", "aux")
+# per-token training targets a head derives once from an example's cached features and keeps for
+# later epochs (heads.base `example_targets`; train.features.ExampleTargets)
+DERIVED_KEYS = ("target_argmax",)
 PACK_KEYS = ("position_ids", "segment_ids")
 
 
@@ -157,8 +160,8 @@ def collate(examples: Sequence[Example], pad_id: int = 0) -> dict[str, torch.Ten
     """Right-pad a list of examples into a batch.
 
     Returns input_ids / attention_mask / loss_mask ``[B, T]`` (pads: ``pad_id``, 0, 0) and each
-    feature key (and packed rows' position_ids / segment_ids) present in the examples padded
-    with zeros to ``[B, T, ...]``."""
+    feature key, derived target key (``DERIVED_KEYS``) and packed rows' position_ids /
+    segment_ids present in the examples, padded with zeros to ``[B, T, ...]``."""
     if not examples:
         raise ValueError("collate got an empty list of examples")
     lengths = [len(e["input_ids"]) for e in examples]
@@ -171,7 +174,7 @@ def collate(examples: Sequence[Example], pad_id: int = 0) -> dict[str, torch.Ten
         attention_mask[b, :length] = 1
         loss_mask[b, :length] = example["loss_mask"]
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
-    for key in FEATURE_KEYS + PACK_KEYS:
+    for key in FEATURE_KEYS + DERIVED_KEYS + PACK_KEYS:
         present = [key in e for e in examples]
         if not any(present):
             continue
@@ -210,7 +213,7 @@ def pack_examples(examples: Sequence[Example], row_tokens: int) -> list[Example]
 
 def _concat(examples: Sequence[Example]) -> Example:
     """One packed row from whole examples (see pack_examples)."""
-    keys = [k for k in SEQUENCE_KEYS + FEATURE_KEYS if k in examples[0]]  # what collate reads
+    keys = [k for k in SEQUENCE_KEYS + FEATURE_KEYS + DERIVED_KEYS if k in examples[0]]
     row = {k: torch.cat([e[k] for e in examples]) for k in keys}
     lengths = [len(e["input_ids"]) for e in examples]
     row["position_ids"] = torch.cat([torch.arange(n) for n in lengths])

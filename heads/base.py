@@ -67,6 +67,10 @@ class DraftHead(Protocol):
                           every method decoding next to it runs the adapted target.
     target_dims:          TargetInfo fields the target must share with the one it was trained
                           on for the head's tensors to fit.
+    example_targets:      (optional method) example -> {key: (T,) tensor}, per-token training
+                          targets derived from an example's cached features, computed once
+                          and kept for every epoch (train.features.ExampleTargets); the keys
+                          are data.dataset.DERIVED_KEYS and reach `loss` in the batch.
     runtime_settings:     (optional, default none) config fields that change only how a trained
                           head drafts, not its tensors, so evaluate.py may set them
                           (`head_settings`; see `apply_runtime_settings`).

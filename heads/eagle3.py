@@ -22,7 +22,9 @@ draft chain) -- what a chain drafted with `step` and a cache sees at inference.
 Loss positions: row t at step i counts when x_{t+i+2} is an assistant token and (as in
 SpecForge) the target's own greedy token there lies inside the draft vocabulary: where it does
 not, the renormalised distribution would teach the draft to prefer a token the target would not
-pick. `mask_outside_vocab=False` keeps those positions and saves a full-vocabulary projection.
+pick. That needs the target's greedy token over its whole vocabulary: computed once per example
+from its cached features (`example_targets`) and kept for later epochs, or per batch with online
+features. `mask_outside_vocab=False` keeps those positions and needs no full-vocabulary projection.
 """
 
 from __future__ import annotations
@@ -234,23 +236,55 @@ class Eagle3Head(nn.Module):
 
     # ---- training ------------------------------------------------------------------------
 
+    def _masks_outside_vocab(self) -> bool:
+        full = self.draft_vocab_size >= self.target_info.vocab_size
+        return self.config.mask_outside_vocab and not full
+
     @torch.no_grad()
-    def soft_targets(self, hidden: Tensor, label_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def target_argmax(self, hidden: Tensor) -> Tensor:
+        """The target's greedy token over its full vocabulary for hidden (..., H), a chunk of
+        1024 rows at a time (the (rows, V) logits are the largest tensor of a training step)."""
+        weight = self.target_lm_head
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        best = [F.linear(c.to(weight.dtype), weight).argmax(-1) for c in rows.split(1024)]
+        if not best:
+            return torch.zeros(hidden.shape[:-1], dtype=torch.long, device=hidden.device)
+        return torch.cat(best).reshape(hidden.shape[:-1])
+
+    def example_targets(self, example: dict[str, Tensor]) -> dict[str, Tensor]:
+        """{"target_argmax": (T,) int32}, the target's greedy token at each position of one
+        example with cached features, so that a training step need not project onto the whole
+        vocabulary again (train.features.ExampleTargets keeps it for every epoch); {} when the
+        loss does not use it (mask_outside_vocab off, or the full vocabulary drafted) or the
+        example has no cached features."""
+        if not self._masks_outside_vocab() or "hidden" not in example:
+            return {}
+        hidden = example["hidden"].to(self.target_lm_head.device)
+        return {"target_argmax": self.target_argmax(hidden).to("cpu", torch.int32)}
+
+    @torch.no_grad()
+    def soft_targets(
+        self, hidden: Tensor, label_mask: Tensor, argmax: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """The target's next-token distributions over the draft vocab, where they are needed.
 
         hidden (B, T, H): the target's last hidden state; label_mask (B, T): rows t whose next
-        token x_{t+1} is a label. Returns probs (N, D) for those rows, index (B, T) (row of
-        `probs`, -1 where none) and usable (B, T): the target's argmax there is in the vocab.
+        token x_{t+1} is a label; argmax (B, T): the target's greedy tokens when the batch
+        carries them (`example_targets`), else computed here. Returns probs (N, D) for those
+        rows, index (B, T) (row of `probs`, -1 where none) and usable (B, T): the target's
+        argmax there is in the vocab.
         """
         h = hidden[label_mask]  # (N, H)
         weight = self.target_lm_head
         draft_ids = self.draft_to_target(torch.arange(self.draft_vocab_size, device=h.device))
         logits = F.linear(h.to(weight.dtype), weight[draft_ids]).float()  # (N, D)
         usable = torch.ones(h.shape[0], dtype=torch.bool, device=h.device)
-        if self.config.mask_outside_vocab and self.draft_vocab_size < self.target_info.vocab_size:
-            # the target's greedy token over its full vocabulary, a chunk of rows at a time
-            best = [F.linear(c.to(weight.dtype), weight).argmax(-1) for c in h.split(1024)]
-            usable = self.t2d[torch.cat(best)] if best else usable
+        if self._masks_outside_vocab():
+            if argmax is not None:
+                best = argmax.to(h.device)[label_mask].long()
+            else:
+                best = self.target_argmax(h)
+            usable = self.t2d[best]
         index = torch.full(label_mask.shape, -1, dtype=torch.long, device=h.device)
         index[label_mask] = torch.arange(h.shape[0], device=h.device)
         usable_bt = torch.zeros(label_mask.shape, dtype=torch.bool, device=h.device)
@@ -267,7 +301,8 @@ class Eagle3Head(nn.Module):
         B, T = ids.shape
         device = self.fc.weight.device
         labelled = label_mask(batch, 1)  # rows t whose next token x_{t+1} is a label
-        probs, index, usable = self.soft_targets(features["hidden"].to(device), labelled)
+        argmax = batch.get("target_argmax")
+        probs, index, usable = self.soft_targets(features["hidden"].to(device), labelled, argmax)
         hidden = self.target_hidden(features)  # (B, T, H)
         cache = DraftCache()
         positions = batch_positions(batch, T)  # (B, T)

@@ -42,7 +42,9 @@ class TrainerConfig:
     # resume are unchanged. None or 0: right-padded rows, one conversation each.
     pack_tokens: int | None = None
     max_grad_norm: float = 1.0  # 0 disables clipping
-    mixed_precision: str = "auto"  # no | bf16 | fp16 | auto (bf16 where CUDA supports it)
+    # no | bf16 | fp16 | auto (bf16 where CUDA supports it). bf16 also runs on a CPU, under
+    # torch.autocast with fp32 weights and optimizer (AMX / AVX512-BF16 matmuls)
+    mixed_precision: str = "auto"
     eval_every: int = 0
     save_every: int = 0
     keep_last: int = 2  # checkpoints kept; 0 keeps all

@@ -44,3 +44,34 @@ def batch_features(
         return target.features(
             batch["input_ids"], packed, layers=layers, position_ids=batch["position_ids"]
         )
+
+
+class ExampleTargets(torch.utils.data.Dataset):
+    """`base`'s examples plus the per-token training targets `head.example_targets(example)`
+    derives from their cached features (EAGLE-3: the target's greedy token over its whole
+    vocabulary), computed on an example's first read and kept in memory, so later epochs skip
+    that work (a 49k-column projection per token for SmolLM2). They run in float32 outside any
+    autocast, so they are exact whatever precision the training step uses."""
+
+    def __init__(self, base: torch.utils.data.Dataset, head: Any) -> None:
+        self.base, self.derive = base, head.example_targets
+        self._memo: dict[int, dict[str, Tensor]] = {}
+
+    def __len__(self) -> int:
+        return len(self.base)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        example = self.base[index]
+        derived = self._memo.get(index)
+        if derived is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            with torch.no_grad(), torch.autocast(device, enabled=False):
+                derived = self._memo[index] = self.derive(example)
+        return {**example, **derived}
+
+
+def with_example_targets(dataset: Any, head: Any) -> Any:
+    """`dataset` wrapped in ExampleTargets when the head derives per-example targets."""
+    if dataset is None or not callable(getattr(head, "example_targets", None)):
+        return dataset
+    return ExampleTargets(dataset, head)

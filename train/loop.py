@@ -53,7 +53,7 @@ from train.checkpoint import (
     save_checkpoint,
 )
 from train.config import TrainerConfig, resolve_mixed_precision
-from train.features import batch_features
+from train.features import batch_features, with_example_targets
 from train.optim import build_optimizer, build_scheduler, trainable_parameters
 from train.resume import (
     apply_optimizer_settings,
@@ -161,8 +161,9 @@ class Trainer:
         self.best = BestKeeper(run_dir, cfg.best_metric, cfg.best_mode, acc.is_main_process)
         set_seed(cfg.seed, device_specific=True)  # seed + process index
         self.head, self.target, self.layers = head, target, head.feature_layers()
-        self.train_dataset = train_dataset
-        self.val_dataset = val_dataset
+        # targets a head derives once per example from cached features (heads.base)
+        self.train_dataset = with_example_targets(train_dataset, head)
+        self.val_dataset = with_example_targets(val_dataset, head)
         self.collate_fn = collate_fn  # validation always reads padded batches
         self.train_collate = (
             partial(packed_collate, collate_fn, cfg.pack_tokens) if cfg.pack_tokens else collate_fn
@@ -545,14 +546,43 @@ def _make_accelerator(cfg: TrainerConfig) -> Accelerator:
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     cpu = cfg.cpu or (launched and not torch.accelerator.is_available())
     ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.find_unused_parameters)
+    precision = resolve_mixed_precision(cfg.mixed_precision)
+    _release_other_precision(precision)
     acc = Accelerator(
-        mixed_precision=resolve_mixed_precision(cfg.mixed_precision),
+        mixed_precision=precision,
         gradient_accumulation_steps=cfg.grad_accum,
         cpu=cpu,
         kwargs_handlers=[ddp],
     )
     _check_sharding(acc)
+    _check_cpu_precision(acc)
     return acc
+
+
+def _release_other_precision(precision: str) -> None:
+    """Accelerate keeps one precision per process and refuses another: a later run in the same
+    process (a notebook, a sweep, the tests) with another `trainer.mixed_precision` gets a fresh
+    AcceleratorState. The process group (PartialState) is kept; DeepSpeed sets its own."""
+    from accelerate.state import AcceleratorState
+
+    shared = AcceleratorState._shared_state
+    if not shared or shared.get("distributed_type") == DistributedType.DEEPSPEED:
+        return
+    if shared.get("_mixed_precision", precision) != precision:
+        AcceleratorState._reset_state()
+
+
+def _check_cpu_precision(acc: Accelerator) -> None:
+    """bf16 on a CPU runs the step under torch.autocast: fast with AMX or AVX512-BF16 (2x the
+    fp32 step for EAGLE-3 on SmolLM2, docs/throughput.md), emulated and slower without."""
+    if acc.device.type != "cpu" or acc.mixed_precision != "bf16" or not acc.is_main_process:
+        return
+    if not (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()):
+        log.warning(
+            "trainer.mixed_precision=bf16 on a CPU without AMX or AVX512-BF16: bf16 matmuls "
+            "are emulated there and the step is likely slower than fp32; set "
+            "trainer.mixed_precision=no"
+        )
 
 
 def _check_sharding(acc: Accelerator) -> None:
