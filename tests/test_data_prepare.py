@@ -43,6 +43,7 @@ def compose_data(*overrides: str):
         ({"features": "ram"}, "data.features='ram': use one of memory, disk, online."),
         ({"feature_dtype": "fp8"}, "data.feature_dtype='fp8': use one of float16, bfloat16"),
         ({"feature_dtype": "int8"}, "data.feature_dtype=int8 needs data.features=disk"),
+        ({"feature_autocast": "fp8"}, "data.feature_autocast='fp8': use null or one of bfloat16"),
         ({"val_fraction": 1.0}, "data.val_fraction=1.0: use a share in [0, 1)"),
         ({"max_length": 0}, "data.max_length=0: give the tokens per conversation"),
         ({"max_train_tokens": -5}, "data.max_train_tokens=-5: use a count, or null."),

@@ -288,7 +288,14 @@ def test_run_builds_train_and_val_caches(tiny_llama, tmp_path, monkeypatch):
 
     data = PreparedData(train=make_examples(), val=make_examples(seed=2)[:3])
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
-    cfg = OmegaConf.create({"features": "disk", "feature_dtype": "int8", "feature_cache": None})
+    cfg = OmegaConf.create(
+        {
+            "features": "disk",
+            "feature_dtype": "int8",
+            "feature_cache": None,
+            "feature_autocast": None,
+        }
+    )
     train_set, val_set = feature_datasets(data, tiny_llama, [1], cfg)
     assert isinstance(train_set, FeatureCacheDataset) and len(val_set) == 3
     (root,) = (tmp_path / "features").iterdir()
@@ -301,6 +308,20 @@ def test_run_builds_train_and_val_caches(tiny_llama, tmp_path, monkeypatch):
     train_set, val_set = feature_datasets(PreparedData(data.train, []), tiny_llama, None, cfg)
     assert (tmp_path / "mine" / "train" / "index.json").exists()
     assert len(train_set) == 7 and len(val_set) == 0 and "aux" not in train_set[6]
+
+    # features extracted under bf16 autocast: a folder of their own, recorded, close to fp32's
+    cfg.feature_cache, cfg.feature_dtype = None, "float32"
+    exact, _ = feature_datasets(data, tiny_llama, [1], cfg)
+    cfg.feature_autocast = "bfloat16"
+    cast, _ = feature_datasets(data, tiny_llama, [1], cfg)
+    folders = sorted(p.name for p in (tmp_path / "features").iterdir())
+    assert any("-1-float32+bfloat16-" in name for name in folders)
+    assert any("-1-float32-" in name for name in folders)
+    index = next((tmp_path / "features").glob("*float32+bfloat16*/train/index.json"))
+    assert json.loads(index.read_text())["autocast"] == "bfloat16"
+    a, b = exact[0]["hidden"], cast[0]["hidden"]
+    assert not torch.equal(a, b)
+    torch.testing.assert_close(b, a, rtol=0.1, atol=0.1)
 
 
 # ---- values outside the dtype's range ------------------------------------------------------

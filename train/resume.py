@@ -47,6 +47,7 @@ FREE = (
     "data.features",
     "data.feature_cache",
     "data.feature_dtype",
+    "data.feature_autocast",
     "trainer.log_every",
     "trainer.eval_every",
     "trainer.save_every",

@@ -47,9 +47,10 @@ def feature_datasets(data: PreparedData, target: Target, layers, data_cfg: DataC
     if data_cfg.features == "disk":
         return disk_feature_datasets(data, target, layers, data_cfg)
     dtype = getattr(torch, data_cfg.feature_dtype)
+    cast = data_cfg.feature_autocast
     return (
-        LazyFeatureDataset(data.train, target, layers, dtype),
-        LazyFeatureDataset(data.val, target, layers, dtype),
+        LazyFeatureDataset(data.train, target, layers, dtype, autocast=cast),
+        LazyFeatureDataset(data.val, target, layers, dtype, autocast=cast),
     )
 
 
@@ -63,12 +64,14 @@ def disk_feature_datasets(data: PreparedData, target: Target, layers, data_cfg: 
     Shards are written to a per-process tmp file then renamed, and shards already on disk are
     skipped, so a killed build resumes.
     """
-    folder = data_cfg.feature_cache
+    folder, cast = data_cfg.feature_cache, data_cfg.feature_autocast
     if folder is None:
         data_sha1 = examples_sha1(data.train + data.val)
-        folder = default_cache_dir(target.fingerprint, layers, data_cfg.feature_dtype, data_sha1)
+        dtype = data_cfg.feature_dtype
+        folder = default_cache_dir(target.fingerprint, layers, dtype, data_sha1, autocast=cast)
     rank, world_size, barrier = _process_ranks()
     kwargs = dict(rank=rank, world_size=world_size, barrier=barrier, progress=env_rank() == 0)
+    kwargs |= {"autocast": cast}
     _place_for_features(target)
     dtype = data_cfg.feature_dtype
     return tuple(
