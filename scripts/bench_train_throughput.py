@@ -1,7 +1,9 @@
 """Feature and training throughput on the embedded target (issue 13): tokens/s of feature
 extraction (fp32 target, bf16 weights, bf16 autocast) with the bf16 features' error against
 fp32, training-step tokens/s per head with padded and packed (`trainer.pack_tokens`) batches,
-and disk feature-cache reads. Every ratio is measured within one run, on the same data.
+in bf16 autocast (`trainer.mixed_precision=bf16` on a CPU) and with the targets a head derives
+once per example, and disk feature-cache reads. Every ratio is measured within one run, on the
+same data.
 
     nice -n 5 python scripts/bench_train_throughput.py --examples 32 --steps 4
 
@@ -124,7 +126,11 @@ def head_config(kind: str):
 
 def train_steps(target, examples, batch_size, steps, variants: dict) -> dict:
     """Tokens/s of `steps` optimizer steps (after one warm-up step) on cached features, for
-    each variant name -> (head config, pack_tokens); the variants take turns step by step."""
+    each variant name -> (head config, pack_tokens[, autocast dtype[, derive]]), derive: the
+    batches carry the head's `example_targets` (as training adds them); the variants take turns
+    step by step. An autocast variant runs the forward under `torch.autocast` (bf16 matmuls, on
+    AMX where the CPU has it) with float32 weights and optimizer, as
+    `trainer.mixed_precision=bf16` trains."""
     import heads
     from data.dataset import collate, pack_examples
     from heads.vocab import count_tokens
@@ -137,22 +143,28 @@ def train_steps(target, examples, batch_size, steps, variants: dict) -> dict:
     pad = target.tokenizer.pad_token_id or 0
     counts = count_tokens(examples, target.vocab_size)
     runs = {}
-    for name, (config, pack_tokens) in variants.items():
+    for name, (config, pack_tokens, *more) in variants.items():
+        cast, derive = (more + [None, False])[:2]
         torch.manual_seed(0)
         head = heads.build_head(config, target, counts).train()
         optimizer = build_optimizer(head, TrainerConfig(lr=1e-4))
-        batches = [
-            collate(pack_examples(g, pack_tokens) if pack_tokens else g, pad) for g in groups
-        ]
-        runs[name] = (head, optimizer, batches, {"tokens": 0, "slots": 0, "seconds": 0.0})
+        if derive:  # the per-example targets training derives once and keeps (not timed)
+            rows = [[{**e, **head.example_targets(e)} for e in g] for g in groups]
+        else:
+            rows = groups
+        batches = [collate(pack_examples(g, pack_tokens) if pack_tokens else g, pad) for g in rows]
+        total = {"tokens": 0, "slots": 0, "seconds": 0.0, "losses": []}
+        runs[name] = (head, optimizer, batches, total, cast)
     for i in range(len(groups)):
         names = list(runs)
         for name in names[i % len(names) :] + names[: i % len(names)]:
-            head, optimizer, batches, total = runs[name]
+            head, optimizer, batches, total, cast = runs[name]
             batch = batches[i]
             start = time.perf_counter()
-            out = head.loss(batch, batch_features(batch, None, head.feature_layers(), head))
+            with torch.autocast("cpu", dtype=cast or torch.bfloat16, enabled=cast is not None):
+                out = head.loss(batch, batch_features(batch, None, head.feature_layers(), head))
             out.loss.backward()
+            total["losses"].append(round(float(out.loss.detach()), 4))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if i:  # the first step warms up (allocations, kernels)
@@ -166,8 +178,9 @@ def train_steps(target, examples, batch_size, steps, variants: dict) -> dict:
             "padding": 1 - t["tokens"] / t["slots"],
             "seconds": t["seconds"],
             "tokens_per_s": t["tokens"] / t["seconds"],
+            "losses": t["losses"],
         }
-        for name, (_, _, _, t) in runs.items()
+        for name, (_, _, _, t, _) in runs.items()
     }
 
 
@@ -257,9 +270,11 @@ def train_lines(report: dict) -> list[str]:
         )
         for variant, v in r.items():
             if variant not in ("padded", "packed"):
-                ratio = v["tokens_per_s"] / p["tokens_per_s"]
+                base = q if variant.startswith("packed") else p
+                ratio = v["tokens_per_s"] / base["tokens_per_s"]
                 extra.append(
-                    f"- {name} {variant}: {v['tokens_per_s']:.0f} tokens/s ({ratio:.2f}x padded)"
+                    f"- {name} {variant}: {v['tokens_per_s']:.0f} tokens/s ({ratio:.2f}x "
+                    f"{'packed' if base is q else 'padded'})"
                 )
     return lines + [""] + extra + ([""] if extra else [])
 
@@ -288,9 +303,16 @@ SETTINGS = [
     "  the evaluated target bf16); bf16_autocast keeps float32 weights and runs the",
     '  feature forward under `torch.autocast` (`compute_features(..., autocast="bfloat16")`,',
     "  also taken by `LazyFeatureDataset` and `open_or_build_feature_cache`, which record it",
-    "  in the cache's metadata).",
-    "- `mask_outside_vocab=false` shows what the full-vocabulary argmax that",
-    "  EAGLE-3 recomputes every step from the cached features costs.",
+    "  in the cache's metadata; in training, `data.feature_autocast=bfloat16`).",
+    "- `mask_outside_vocab=false` shows what EAGLE-3's full-vocabulary argmax costs when",
+    "  every step recomputes it from the cached features.",
+    '- "bf16 autocast" runs the training step as `trainer.mixed_precision=bf16` does on a',
+    "  CPU: the forward under `torch.autocast` (bf16 matmuls, on AMX where the CPU has it),",
+    "  float32 weights, gradients and optimizer. The per-step losses are in the .json.",
+    '- "example targets": the batches carry what the head derives once per example',
+    "  (`example_targets`; EAGLE-3's target greedy tokens, computed in float32 and kept for",
+    "  every epoch by `train.features.ExampleTargets`), so the step skips that projection.",
+    "  Deriving them is not timed: training pays it once per example, in the first epoch.",
     "",
 ]
 
@@ -316,6 +338,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
+    from data.features import compute_features
     from heads.eagle3 import default_aux_layers
     from train.rundir import load_conf_target
 
@@ -337,16 +360,34 @@ def main() -> None:
         report["extraction"], features = extraction(target, examples, layers)
         print(json.dumps(report["extraction"], indent=1), flush=True)
     else:
-        from data.features import compute_features
-
         features = compute_features(examples, target, layers, dtype=torch.float32)
     if "train" not in args.parts:
         args.heads = []
-    half = [{**e, **{k: e[k].half() for k in ("hidden", "aux")}} for e in features]
+    import heads
+    from heads.vocab import count_tokens
+
+    def cached(features: list[dict]) -> list[dict]:  # as the fp16 disk cache stores them
+        return [{**e, **{k: e[k].half() for k in ("hidden", "aux")}} for e in features]
+
+    by_layers = {tuple(layers): cached(features)}
+    counts = count_tokens(examples, target.vocab_size)
     report["train"] = {}
     for kind in args.heads:
         config = head_config(kind)
-        variants = {"padded": (config, None), "packed": (config, args.pack_tokens)}
+        need = tuple(heads.build_head(config, target, counts).feature_layers() or layers)
+        if need not in by_layers:  # DFlash and DSpark fuse other layers than EAGLE-3
+            fresh = compute_features(examples, target, list(need), dtype=torch.float32)
+            by_layers[need] = cached(fresh)
+        half = by_layers[need]
+        variants = {
+            "padded": (config, None),
+            "packed": (config, args.pack_tokens),
+            "packed, bf16 autocast": (config, args.pack_tokens, torch.bfloat16),
+        }
+        if hasattr(heads.HEAD_CLASSES.get(kind, object), "example_targets"):
+            for cast in (None, torch.bfloat16):
+                label = "packed, example targets" + (", bf16 autocast" if cast else "")
+                variants[label] = (config, args.pack_tokens, cast, True)
         if getattr(config, "mask_outside_vocab", False):  # what its full-vocabulary argmax costs
             plain = dataclasses.replace(config, mask_outside_vocab=False)
             variants["padded, mask_outside_vocab=false"] = (plain, None)
