@@ -66,8 +66,10 @@ def test_a_batch_with_wrong_derived_tokens_changes_the_loss():
     assert int(swapped.stats["step0/top1"][1]) == 0 < int(right.stats["step0/top1"][1])
 
 
-class CountingHead:
-    def __init__(self):
+class CountingHead(torch.nn.Module):
+    def __init__(self, device="cpu"):
+        super().__init__()
+        self.register_buffer("lm_head", torch.zeros(1, device=device))
         self.calls = 0
 
     def example_targets(self, example):
@@ -90,6 +92,18 @@ def test_example_targets_are_derived_once_and_kept():
     # a head that derives nothing gets its dataset back unwrapped
     assert with_example_targets(examples, object()) is examples
     assert with_example_targets(None, head) is None
+
+
+@pytest.mark.parametrize("device, derived", [("cpu", True), ("meta", False)])
+def test_dataloader_workers_derive_only_for_a_cpu_head(device, derived):
+    """A forked worker must not touch an accelerator (here "meta" stands in for one): it leaves
+    the tokens to the loss, which computes them per batch on the head's device."""
+    examples = make_examples([5, 7, 4, 6])
+    data = with_example_targets(examples, CountingHead(device))
+    loader = torch.utils.data.DataLoader(data, batch_size=2, num_workers=1, collate_fn=collate)
+    batches = list(loader)
+    assert len(batches) == 2
+    assert all(("target_argmax" in b) == derived for b in batches)
 
 
 def test_a_head_without_a_reduced_vocabulary_derives_nothing():

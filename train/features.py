@@ -54,7 +54,7 @@ class ExampleTargets(torch.utils.data.Dataset):
     autocast, so they are exact whatever precision the training step uses."""
 
     def __init__(self, base: torch.utils.data.Dataset, head: Any) -> None:
-        self.base, self.derive = base, head.example_targets
+        self.base, self.head = base, head
         self._memo: dict[int, dict[str, Tensor]] = {}
 
     def __len__(self) -> int:
@@ -64,10 +64,19 @@ class ExampleTargets(torch.utils.data.Dataset):
         example = self.base[index]
         derived = self._memo.get(index)
         if derived is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-            with torch.no_grad(), torch.autocast(device, enabled=False):
-                derived = self._memo[index] = self.derive(example)
+            if not self._can_derive_here():
+                return example  # the loss derives them per batch, on the head's device
+            device = next(self.head.buffers(), torch.empty(0)).device
+            with torch.no_grad(), torch.autocast(device.type, enabled=False):
+                derived = self._memo[index] = self.head.example_targets(example)
         return {**example, **derived}
+
+    def _can_derive_here(self) -> bool:
+        """Not in a DataLoader worker when the head lives on an accelerator: a forked worker
+        must not touch CUDA (`trainer.num_workers` > 0 with a GPU head)."""
+        if torch.utils.data.get_worker_info() is None:
+            return True
+        return all(b.device.type == "cpu" for b in self.head.buffers())
 
 
 def with_example_targets(dataset: Any, head: Any) -> Any:
