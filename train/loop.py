@@ -573,8 +573,8 @@ def _release_other_precision(precision: str) -> None:
 
 
 def _check_cpu_precision(acc: Accelerator) -> None:
-    """bf16 on a CPU runs the step under torch.autocast: fast with AMX or AVX512-BF16 (2x the
-    fp32 step for EAGLE-3 on SmolLM2, docs/throughput.md), emulated and slower without."""
+    """bf16 on a CPU runs the step under torch.autocast: fast with AMX or AVX512-BF16 (1.6-1.8x the
+    fp32 step on SmolLM2, docs/throughput.md), emulated and slower without."""
     if acc.device.type != "cpu" or acc.mixed_precision != "bf16" or not acc.is_main_process:
         return
     if not (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()):
