@@ -51,6 +51,7 @@ class SelfDistillSettings:
     server_model: str | None = None
     parallel: int = 8
     threads: int = 2
+    dtype: str | None = None  # the hf backend's generation dtype (null: the target's own)
 
     def __post_init__(self) -> None:
         self.prompts = [p if isinstance(p, str) else dict(p) for p in self.prompts or []]
@@ -64,6 +65,8 @@ class SelfDistillSettings:
             for f in dataclasses.fields(self)
             if f.name not in ("enabled", "out", *_ENGINE_FIELDS)
         }
+        if self.dtype is None:  # files written before the setting existed keep their names
+            del settings["dtype"]
         if self.backend != "hf":  # files written by HF keep the names they always had
             settings |= {"backend": self.backend, "engine": self.gguf or self.server_url}
         digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]

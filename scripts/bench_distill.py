@@ -5,9 +5,11 @@ conf/model), and how often each backend's greedy answers equal HF's.
     python scripts/bench_distill.py --batch-sizes 8 --llama-cpp-slots 1 8 --prompts 32
     python scripts/bench_distill.py --batch-sizes 8 --llama-cpp-slots 8 32 --prompts 32 \
         --gguf Q4_1.gguf bf16.gguf q8_0.gguf f32.gguf     # GGUF types side by side
+    python scripts/bench_distill.py --batch-sizes 8 32 --hf-dtypes float32 bfloat16  # HF in bf16
 
 Each setting regenerates the same first N prompts (first turns only) into a scratch file:
-`hf` at each batch size (transformers generate), `llama_cpp` with each number of parallel slots
+`hf` at each batch size (transformers generate; in each of --hf-dtypes, a cast copy of the
+target), `llama_cpp` with each number of parallel slots
 (llama-server on the target's GGUF: the embedded Q4_1 file; `--gguf` others, each at every slot
 count; no --batch-sizes: llama.cpp only, compared with its first setting). Prints generated
 tokens/s per setting, the ratio to the first, and the share of answers identical to the first HF
@@ -37,6 +39,12 @@ def main() -> None:
         default=[1, 8, 32],
         help="HF batch sizes (none: llama_cpp only, compared with its first)",
     )
+    parser.add_argument(
+        "--hf-dtypes",
+        nargs="+",
+        default=[None],
+        help="HF generation dtypes, each at every batch size (default: the target's own)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--llama-cpp-slots", type=int, nargs="*", default=[])
     parser.add_argument(
@@ -63,7 +71,11 @@ def main() -> None:
         source = Path(tmp) / "prompts.jsonl"
         source.write_text("".join(json.dumps({"id": i, "prompt": p["turns"][0]}) + "\n"
                                   for i, p in enumerate(prompts)))  # fmt: skip
-        settings = [("hf", bs, {"batch_size": bs}) for bs in args.batch_sizes]
+        settings = [
+            ("hf", bs, {"batch_size": bs, "dtype": dt})
+            for dt in args.hf_dtypes
+            for bs in args.batch_sizes
+        ]
         ggufs = args.gguf or ([str(_gguf_of(args.model))] if args.llama_cpp_slots else [])
         for gguf in ggufs:
             for slots in args.llama_cpp_slots:
@@ -74,6 +86,8 @@ def main() -> None:
             name = f"{backend}-{size}"
             if len(ggufs) > 1 and "gguf" in extra:
                 name = f"{Path(extra['gguf']).stem}-{size}"
+            if extra.get("dtype"):
+                name = f"hf-{extra['dtype']}-{size}"
             out = Path(tmp) / f"{name}.jsonl"
             cfg = DistillConfig(prompts=[str(source)], out=str(out),
                                 max_new_tokens=args.max_new_tokens, **extra)  # fmt: skip
@@ -84,6 +98,7 @@ def main() -> None:
                 "backend": backend,
                 "size": size,
                 "gguf": extra.get("gguf"),
+                "dtype": extra.get("dtype"),
             }
             answers[name] = {r["id"]: r["messages"][-1]["content"] for r in read_rows(out)}
             first = next(iter(answers.values()))
@@ -100,7 +115,7 @@ def main() -> None:
               "max_new_tokens": args.max_new_tokens, "results": results}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps([(r["backend"], r["gguf"] and Path(r["gguf"]).stem, r["size"],
+    print(json.dumps([(r["backend"], r["gguf"] and Path(r["gguf"]).stem, r["dtype"], r["size"],
                        round(r["tokens_per_s"], 1), round(r["ratio_to_first"], 2))
                       for r in results]))  # fmt: skip
 

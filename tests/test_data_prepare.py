@@ -56,6 +56,21 @@ def compose_data(*overrides: str):
             {"self_distill": {"enabled": True, "prompts": [{"path": "p", "rows": 2}]}},
             "data.self_distill.prompts entry",
         ),
+        (
+            {"self_distill": {"enabled": True, "prompts": ["p.jsonl"], "dtype": "bf16"}},
+            "data.self_distill.dtype='bf16': use one of float32, bfloat16, float16",
+        ),
+        (
+            {
+                "self_distill": {
+                    "enabled": True,
+                    "prompts": ["p.jsonl"],
+                    "dtype": "bfloat16",
+                    "backend": "llama_cpp",
+                }
+            },
+            "data.self_distill.dtype applies to the hf backend",
+        ),
     ],
 )
 def test_data_config_says_what_to_change(kwargs, message):
@@ -107,6 +122,9 @@ def test_self_distilled_file_keeps_its_name(overrides, digest, monkeypatch, tmp_
     cfg = instantiate(compose_data(*overrides), _convert_="all")
     out = Path(cfg.self_distill.default_out("0123456789abcdef"))
     assert out == tmp_path / "distill" / f"0123456789ab-{digest}.jsonl"
+    # another generation dtype is another file
+    cfg.self_distill.dtype = "bfloat16"
+    assert Path(cfg.self_distill.default_out("0123456789abcdef")) != out
 
 
 # ------------------------------------------------------------------------------ prepare_data

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -124,6 +125,34 @@ def test_a_killed_run_resumes_without_loss_or_duplicates(tiny_llama, tmp_path, m
     assert len(ids) == len(set(ids)) == 5
     assert {r["id"]: r["messages"] for r in rows} == expected  # greedy: the same text
     assert distill(tiny_llama, cfg, progress=False)["rows"] == 0  # nothing left to do
+
+
+def test_another_dtype_generates_on_a_cast_copy(tiny_llama, tmp_path):
+    """distill.dtype: the hf backend generates on a copy cast to that dtype, the target keeps its
+    weights, and the answers are that copy's own greedy answers."""
+    assert _Generator(tiny_llama, config(tmp_path), None, [3]).model is tiny_llama.model
+    gen = _Generator(tiny_llama, config(tmp_path, dtype="bfloat16"), None, [3])
+    assert gen.model is not tiny_llama.model and gen.model.dtype == torch.bfloat16
+    gen.__exit__(None, None, None)
+    assert gen.model is None  # the copy is let go when generation ends
+
+    cfg = config(tmp_path, dtype="bfloat16", batch_size=1)
+    distill(tiny_llama, cfg, progress=False)
+    assert {p.dtype for p in tiny_llama.model.parameters()} == {torch.float32}
+    meta = json.loads((tmp_path / "sd.jsonl.meta.json").read_text())
+    assert meta["settings"]["dtype"] == "bfloat16"
+    bf16 = copy.deepcopy(tiny_llama.model).to(torch.bfloat16)
+    tok = tiny_llama.tokenizer
+    for row in rows_of(cfg.out):
+        history = row["messages"][:1]
+        text = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
+        new = plain_greedy(bf16, ids, 6, eos_token_id=3).new_tokens.tolist()
+        new = new[:-1] if new and new[-1] == 3 else new
+        assert row["messages"][1]["content"] == tok.decode(new, skip_special_tokens=True)
+    # a file is never continued in another dtype
+    with pytest.raises(ValueError, match="settings.*new distill.out"):
+        distill(tiny_llama, config(tmp_path, batch_size=1), progress=False)
 
 
 def test_other_settings_or_target_are_refused(tiny_llama, tiny_qwen2, tmp_path):
