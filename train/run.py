@@ -65,15 +65,15 @@ def disk_feature_datasets(data: PreparedData, target: Target, layers, data_cfg: 
     skipped, so a killed build resumes.
     """
     folder, cast = data_cfg.feature_cache, data_cfg.feature_autocast
+    dtype = data_cfg.feature_dtype
     if folder is None:
         data_sha1 = examples_sha1(data.train + data.val)
-        dtype = data_cfg.feature_dtype
         folder = default_cache_dir(target.fingerprint, layers, dtype, data_sha1, autocast=cast)
     rank, world_size, barrier = _process_ranks()
-    kwargs = dict(rank=rank, world_size=world_size, barrier=barrier, progress=env_rank() == 0)
-    kwargs |= {"autocast": cast}
+    kwargs = dict(
+        rank=rank, world_size=world_size, barrier=barrier, progress=env_rank() == 0, autocast=cast
+    )
     _place_for_features(target)
-    dtype = data_cfg.feature_dtype
     return tuple(
         open_or_build_feature_cache(examples, target, Path(folder) / split, layers, dtype, **kwargs)
         for split, examples in (("train", data.train), ("val", data.val))
