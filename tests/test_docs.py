@@ -1,0 +1,182 @@
+"""The front door stays true: the README's results table is what the committed reports say, every
+relative link in README.md and docs/ resolves, and the README stays a short read."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+from pathlib import Path
+from urllib.parse import unquote
+
+import pytest
+
+from data.errors import DraftsmithError
+from eval import report, results_table
+
+ROOT = Path(__file__).resolve().parents[1]
+README_MAX_LINES = 250
+
+
+def _copy_checkout(tmp_path: Path) -> Path:
+    """README.md and docs/ in a scratch folder, so a test can change them."""
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    return tmp_path
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location(
+        "results_table_script", ROOT / "scripts" / "results_table.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---- the results table ----------------------------------------------------------------------
+
+
+def test_readme_table_and_results_md_match_the_reports():
+    assert results_table.check(ROOT) is None
+
+
+def test_check_fails_after_a_deliberate_change(tmp_path):
+    root = _copy_checkout(tmp_path)
+    assert results_table.check(root) is None
+    # a report's number moves: the README no longer agrees
+    summary = root / "docs" / "speed_bf16" / "summary.json"
+    data = json.loads(summary.read_text())
+    data["methods"]["t16"]["overall"]["tau"] = 2.5
+    summary.write_text(json.dumps(data))
+    message = results_table.check(root)
+    assert message is not None and "README.md" in message and "\n" not in message
+    assert "| 2.50 |" in results_table.render(root)[root / "README.md"]
+    # writing brings both files back in line, and the new number is in them
+    assert set(results_table.write(root)) == {root / "README.md", root / "docs" / "results.md"}
+    assert results_table.check(root) is None
+    assert "| 2.50 |" in (root / "README.md").read_text()
+
+
+def test_a_hand_edit_of_the_readme_table_is_caught(tmp_path):
+    root = _copy_checkout(tmp_path)
+    readme = root / "README.md"
+    block = readme.read_text().split(results_table.START)[1].split(results_table.END)[0]
+    row = next(line for line in block.splitlines() if "`eagle3_llama_long`" in line)
+    readme.write_text(readme.read_text().replace(row, row.replace("| 2.15 |", "| 3.15 |")))
+    assert "README.md" in results_table.check(root)
+
+
+def test_script_check_exits_1_with_one_line(tmp_path, capsys):
+    root = _copy_checkout(tmp_path)
+    script = _script()
+    assert script.main(["--check", "--root", str(root)]) == 0
+    (root / "docs" / "results.md").write_text("stale\n")
+    capsys.readouterr()
+    assert script.main(["--check", "--root", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "docs/results.md" in err and "--write" in err
+    assert script.main(["--write", "--root", str(root)]) == 0
+    assert script.main(["--check", "--root", str(root)]) == 0
+
+
+def test_every_committed_summary_is_named_by_a_sidecar():
+    named = {
+        (sidecar.parent / run["numbers"]).resolve()
+        for sidecar in (ROOT / "docs").rglob(results_table.SIDECAR)
+        for run in json.loads(sidecar.read_text())["runs"]
+    }
+    summaries = {p.resolve() for p in (ROOT / "docs").rglob("summary*.json")}
+    assert summaries - named == set(), "add these reports to a source.json beside them"
+
+
+def test_a_drafting_method_without_a_row_entry_is_a_clear_error(tmp_path):
+    root = _copy_checkout(tmp_path)
+    sidecar = root / "docs" / "speed_bf16" / "source.json"
+    data = json.loads(sidecar.read_text())
+    del data["runs"][0]["rows"]["d24"]
+    sidecar.write_text(json.dumps(data))
+    with pytest.raises(DraftsmithError, match="method 'd24' .* has no entry in 'rows'"):
+        results_table.load(root)
+
+
+def test_missing_markers_are_a_clear_error():
+    with pytest.raises(DraftsmithError, match="results:start"):
+        results_table.splice("# no table here\n", "block")
+
+
+def test_report_md_reads_back_what_the_harness_wrote(tmp_path):
+    """The fallback for a report committed without its summary.json: parse the harness's own
+    report.md and get the summary's numbers (to its two decimals)."""
+    summary = json.loads((ROOT / "docs" / "speed_bf16" / "summary.json").read_text())
+    path = tmp_path / "report.md"
+    path.write_text(report.render_markdown(summary, []))
+    parsed = results_table.summary_from_report_md(path)
+    assert parsed["meta"]["bench"] == {"name": "mt_bench", "max_new_tokens": 64}
+    assert parsed["meta"]["threads"] == 1 and parsed["meta"]["tree"] == "tree16"
+    for name, entry in summary["methods"].items():
+        got, want = parsed["methods"][name]["overall"], entry["overall"]
+        assert got["tau"] == pytest.approx(want["tau"], abs=0.005)
+        assert got["requests"] == want["requests"]
+        assert got["greedy_mismatches"] == want["greedy_mismatches"]
+        assert got["near_tie_mismatches"] == want["near_tie_mismatches"]
+
+
+def test_rows_say_where_they_come_from():
+    runs, rows = results_table.load(ROOT)
+    assert rows and any(r.readme for r in rows)
+    ids = {run.run_id for run in runs}
+    for row in rows:
+        assert row.run in ids and re.fullmatch(r"\d{4}-\d\d-\d\d", row.date)
+        assert (ROOT / "docs" / row.report).is_file()
+        assert re.fullmatch(r"\d+\.\d\dx vs .+|no baseline in this run", row.speedup)
+
+
+# ---- links and length -----------------------------------------------------------------------
+
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*(?:<([^>]*)>|([^)\s]+))(?:\s+\"[^\"]*\")?\s*\)")
+REFERENCE = re.compile(r"^\s*\[[^\]]+\]:\s*(\S+)", re.MULTILINE)
+
+
+def _relative_links(text: str) -> list[str]:
+    """Link targets outside code: no scheme (http, mailto, ...), anchors stripped, none empty."""
+    text = re.sub(r"^(```|~~~).*?^\1", "", text, flags=re.MULTILINE | re.DOTALL)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    targets = [a or b for a, b in LINK.findall(text)] + REFERENCE.findall(text)
+    out = []
+    for target in targets:
+        if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", target):
+            continue
+        path = unquote(target.split("#", 1)[0].split("?", 1)[0])
+        if path:
+            out.append(path)
+    return out
+
+
+def _markdown_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def test_link_finder_sees_links_and_skips_code_and_urls():
+    text = (
+        "See [a](docs/a.md#part), ![plot](p.png) and [b](<b c.md>).\n"
+        "[web](https://example.com) [top](#top) `[x](in_code.md)`\n"
+        "```\n[y](in_fence.md)\n```\n[ref]: docs/ref.md\n"
+    )
+    assert _relative_links(text) == ["docs/a.md", "p.png", "b c.md", "docs/ref.md"]
+
+
+def test_every_relative_link_resolves():
+    broken = [
+        f"{md.relative_to(ROOT)} -> {target}"
+        for md in _markdown_files()
+        for target in _relative_links(md.read_text())
+        if not (md.parent / target).exists()
+    ]
+    assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_readme_is_a_short_read():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines"
