@@ -37,7 +37,7 @@ def chain_overrides(argv: list[str]) -> list[str]:
 @hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
 @report_user_errors
 def main(cfg: DictConfig) -> None:
-    from eval.bench import run
+    from eval.bench.harness import run
 
     run(cfg)
 

@@ -23,7 +23,7 @@ def main(cfg: DictConfig) -> None:
     result = train.run(cfg, run_dir)
     export = cfg.get("export") or {}
     if export.get("formats") and result.head_dir is not None:
-        from eval.export import export_run
+        from eval.publish.export import export_run
 
         export_run(run_dir, export)
     _close_process_group()

@@ -26,7 +26,7 @@ def step_ms(metrics: dict) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from eval.llama_cpp_bench import best_draft_length
+    from eval.bench.llama_cpp import best_draft_length
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path, help="an evaluate.py run dir (summary.json)")

@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
-    from eval.export import ExportCheckError, export_draft
-    from eval.hub import HubUploadError
+    from eval.publish.export import ExportCheckError, export_draft
+    from eval.publish.hub import HubUploadError
 
     if args.format == "gguf":
         return _export_gguf(args)
@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _export_gguf(args) -> int:
     from data.engines.llama_cpp import EngineError
-    from eval.export import ExportCheckError
-    from eval.gguf_export import export_gguf_run
+    from eval.publish.export import ExportCheckError
+    from eval.publish.gguf_export import export_gguf_run
 
     try:
         doc = export_gguf_run(

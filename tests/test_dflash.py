@@ -23,13 +23,13 @@ from conftest import diverse, make_llama, make_qwen2, make_tokenizer
 from test_eagle_decode import chisquare_pvalue
 from tokenizers import AddedToken
 
-from eval import kv_cache
-from eval.block_proposer import BlockProposer
-from eval.generator import SpeculativeGenerator
-from eval.methods import make_proposer
-from eval.proposers import DecodeState
-from eval.tree import build_tree, chain_tree
-from eval.verify import GreedyVerifier, SpeculativeSampler, process_logits
+from eval.bench.methods import make_proposer
+from eval.engine import kv_cache
+from eval.engine.block_proposer import BlockProposer
+from eval.engine.generator import SpeculativeGenerator
+from eval.engine.proposers import DecodeState
+from eval.engine.tree import build_tree, chain_tree
+from eval.engine.verify import GreedyVerifier, SpeculativeSampler, process_logits
 from heads.dflash import (
     DFlashConfig,
     DFlashHead,

@@ -19,13 +19,13 @@ import torch
 from conftest import diverse, make_llama, make_qwen2, make_tokenizer
 from test_eagle_decode import chisquare_pvalue
 
-from eval import kv_cache
-from eval.block_proposer import BlockProposer
-from eval.generator import SpeculativeGenerator
-from eval.methods import make_proposer
-from eval.proposers import DecodeState
-from eval.tree import build_tree, chain_tree
-from eval.verify import GreedyVerifier, SpeculativeSampler, process_logits
+from eval.bench.methods import make_proposer
+from eval.engine import kv_cache
+from eval.engine.block_proposer import BlockProposer
+from eval.engine.generator import SpeculativeGenerator
+from eval.engine.proposers import DecodeState
+from eval.engine.tree import build_tree, chain_tree
+from eval.engine.verify import GreedyVerifier, SpeculativeSampler, process_logits
 from heads.dspark import DSparkConfig, DSparkHead, dspark_terms
 from heads.target import Target
 
@@ -335,7 +335,7 @@ def test_the_confidence_cut_is_an_evaluation_setting(tmp_path):
     from hydra.utils import instantiate
     from test_bench import CONF, write_prompts
 
-    from eval.bench import run
+    from eval.bench.harness import run
     from heads.base import apply_runtime_settings
     from heads.target import load_target
 

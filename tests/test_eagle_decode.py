@@ -22,20 +22,20 @@ import torch.nn.functional as F
 from conftest import diverse, make_llama, make_qwen2
 from torch import nn
 
-from eval import kv_cache
-from eval.dynamic_tree import (
+from eval.bench.methods import make_proposer
+from eval.engine import kv_cache
+from eval.engine.dynamic_tree import (
     Candidates,
     DynamicTreeConfig,
     grow_dynamic_tree,
     select_dynamic_tree,
 )
-from eval.eagle_proposer import EagleProposer, draft_tree_mask
-from eval.generator import SpeculativeGenerator
-from eval.methods import make_proposer
-from eval.proposers import DecodeState
-from eval.tree import build_tree, chain_tree
-from eval.tree_spec import TreeSpec, load_tree_spec, resolve_tree
-from eval.verify import GreedyVerifier, SpeculativeSampler, process_logits
+from eval.engine.eagle_proposer import EagleProposer, draft_tree_mask
+from eval.engine.generator import SpeculativeGenerator
+from eval.engine.proposers import DecodeState
+from eval.engine.tree import build_tree, chain_tree
+from eval.engine.tree_spec import TreeSpec, load_tree_spec, resolve_tree
+from eval.engine.verify import GreedyVerifier, SpeculativeSampler, process_logits
 from heads.draft_layer import DraftCache
 from heads.target import Target
 
@@ -569,7 +569,7 @@ def test_evaluate_config_selects_the_dynamic_tree():
 
 
 def test_tau_evaluator_with_eagle_heads(tiny_llama, tmp_path):
-    from eval.hooks import TauEvaluator
+    from eval.engine.tau import TauEvaluator
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"turns": ["abc abc"]}) + "\n")
@@ -585,7 +585,7 @@ def test_evaluate_runs_an_eagle3_head_on_a_dynamic_tree(tmp_path):
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from eval.bench import run
+    from eval.bench.harness import run
     from heads.target import load_target
 
     prompts = tmp_path / "p.jsonl"

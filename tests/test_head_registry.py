@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import heads
-from eval.methods import make_proposer
-from eval.model_card import render_model_card
-from eval.proposers import MedusaProposer
+from eval.bench.methods import make_proposer
+from eval.engine.proposers import MedusaProposer
+from eval.publish.model_card import render_model_card
 from heads import interop
 from heads.base import BlockDrafter, DraftHead, FeatureDrafter, ParallelDrafter
 from heads.eagle import EagleConfig, EagleHead
@@ -147,7 +147,7 @@ def test_a_new_method_needs_no_table_outside_heads(tiny_llama, tmp_path):
 
 
 def _state(target):
-    from eval.proposers import DecodeState
+    from eval.engine.proposers import DecodeState
 
     hidden = torch.zeros(1, target.hidden_size)
     return DecodeState(hidden, torch.tensor([5]), 3)

@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 
 from data.engines import llama_cpp
 from data.engines.llama_cpp import EngineError, LlamaServer, ServerConfig
-from eval.bench import first_difference, top2_gaps
+from eval.bench.harness import first_difference, top2_gaps
 from tests._stand_in_server import openai_stand_in
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -191,15 +191,15 @@ def _prompt_ids(target) -> list[list[int]]:
 
 
 def _hf_greedy(target, ids: list[int]) -> list[int]:
-    from eval.generator import plain_greedy
+    from eval.engine.generator import plain_greedy
 
     result = plain_greedy(target.model, torch.tensor([ids]), NEW_TOKENS)
     return result.new_tokens.tolist()
 
 
 def _harness_chain(target, head, ids: list[int]):
-    from eval.methods import head_method
-    from eval.tree import chain_paths
+    from eval.bench.methods import head_method
+    from eval.engine.tree import chain_paths
 
     method = head_method(target, "head", head, chain_paths(CHAIN))
     return method.generator.generate(torch.tensor([ids]), NEW_TOKENS)
@@ -436,7 +436,7 @@ def test_server_slots_do_not_wait_for_a_slow_conversation(tiny_llama, tmp_path):
 
 def test_accept_lengths_are_rebuilt_from_the_servers_counters():
     from data.engines.llama_cpp import Completion
-    from eval.llama_cpp_bench import accept_lengths
+    from eval.bench.llama_cpp import accept_lengths
 
     # 10 steps after the prefill token: 3 accepted 3, 2 accepted 1, 5 accepted nothing
     done = Completion(list(range(1 + 10 + 11)), "", "limit", {"draft_n_accepted": 11})
@@ -451,7 +451,7 @@ def test_accept_lengths_are_rebuilt_from_the_servers_counters():
 
 
 def test_best_draft_length_trades_acceptance_for_verify_cost():
-    from eval.llama_cpp_bench import best_draft_length
+    from eval.bench.llama_cpp import best_draft_length
 
     at_least = [0.6, 0.3, 0.1, 0.01]
     # cheap verification: drafting more pays until acceptance runs out
@@ -463,9 +463,9 @@ def test_best_draft_length_trades_acceptance_for_verify_cost():
 
 
 def test_benchmark_runs_llama_cpp_methods_beside_hf(tiny_setup, tmp_path):
-    from eval.bench import BenchConfig, BenchRun, run_benchmark
-    from eval.llama_cpp_bench import LlamaCppSettings, build_llama_cpp_methods
-    from eval.methods import build_methods
+    from eval.bench.harness import BenchConfig, BenchRun, run_benchmark
+    from eval.bench.llama_cpp import LlamaCppSettings, build_llama_cpp_methods
+    from eval.bench.methods import build_methods
 
     target, _, _, target_file, draft_file = tiny_setup
     prompts = tmp_path / "p.jsonl"
@@ -503,7 +503,7 @@ def test_benchmark_runs_llama_cpp_methods_beside_hf(tiny_setup, tmp_path):
 def test_gguf_export_of_a_run_is_proved_in_llama_cpp(tiny_setup, tmp_path):
     import importlib.util
 
-    from eval.gguf_export import export_gguf_run
+    from eval.publish.gguf_export import export_gguf_run
 
     _, _, _, target_file, _ = tiny_setup
     run_dir = Path(target_file).parent / "run"
@@ -653,8 +653,8 @@ def _chain_parity(target, head, target_file, draft_file, spec_type: str, chain: 
     """Greedy llama-server runs of the tiny target alone and with `draft_file`: the draft must
     not change llama.cpp's own output (beyond near ties of a batched verify), and llama.cpp must
     accept as many drafted tokens as our harness on the same chain. Returns the counts."""
-    from eval.methods import head_method
-    from eval.tree import chain_paths
+    from eval.bench.methods import head_method
+    from eval.engine.tree import chain_paths
 
     prompts = _prompt_ids(target)
     engine = {"cache_type": "f32", "flash_attn": "off"}

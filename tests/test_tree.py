@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eval.tree import (
+from eval.engine.tree import (
     Draft,
     build_tree,
     build_tree_from_parents,
@@ -15,7 +15,7 @@ from eval.tree import (
     chain_tree,
     expected_acceptance_paths,
 )
-from eval.tree_spec import TreeSpec, load_tree_spec
+from eval.engine.tree_spec import TreeSpec, load_tree_spec
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "tree"
 BRANCHED = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]
@@ -137,9 +137,9 @@ def test_shipped_trees_load(name, nodes):
 
 
 def test_a_tree_spec_is_checked_once_where_it_enters(tiny_llama):
-    from eval import dynamic_tree, tree
-    from eval.methods import make_proposer
-    from eval.tree_spec import resolve_tree
+    from eval.bench.methods import make_proposer
+    from eval.engine import dynamic_tree, tree
+    from eval.engine.tree_spec import resolve_tree
     from heads.medusa import MedusaConfig, MedusaHeads
 
     spec = resolve_tree("chain")

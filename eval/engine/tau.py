@@ -1,8 +1,8 @@
 """Checkpoint-time evaluation: the acceptance length tau of a head while it trains.
 
 The training loop (train/) never imports eval/; the entry point builds a `TauEvaluator` (Hydra
-`_target_: eval.hooks.TauEvaluator`) and injects it. Calling it with the head and the target runs
-greedy speculative decoding on a few prompts (first turns, chat template applied) and returns
+`_target_: eval.engine.tau.TauEvaluator`) and injects it. Calling it with the head and the target
+runs greedy speculative decoding on a few prompts (first turns, chat template applied) and returns
 {"tau", "tau_per_request"} with the benchmark's definitions (eval/report.py): tokens emitted by
 the decode forwards over the decode forwards, the prefill excluded.
 """
@@ -15,11 +15,11 @@ import torch
 from torch import Tensor
 
 from data.paths import resolve_path
-from eval.bench import encode_chat
-from eval.generator import SpeculativeGenerator
-from eval.methods import eos_token_ids, make_proposer
-from eval.tree_spec import resolve_tree
-from eval.verify import GreedyVerifier
+from eval.bench.harness import encode_chat
+from eval.bench.methods import eos_token_ids, make_proposer
+from eval.engine.generator import SpeculativeGenerator
+from eval.engine.tree_spec import resolve_tree
+from eval.engine.verify import GreedyVerifier
 
 
 class TauEvaluator:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from eval.dynamic_tree import DynamicTreeConfig
-from eval.tree import TreeBuffers, build_tree, chain_paths
+from eval.engine.dynamic_tree import DynamicTreeConfig
+from eval.engine.tree import TreeBuffers, build_tree, chain_paths
 
 DYNAMIC_KEYS = ("depth", "top_k", "total_tokens")
 

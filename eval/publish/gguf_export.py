@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 
 from data.engines.llama_cpp import LlamaServer, ServerConfig
-from eval.bench import first_difference
-from eval.export import (
+from eval.bench.harness import first_difference
+from eval.engine.tree_spec import resolve_tree
+from eval.publish.export import (
     CHECK_PROMPTS,
     ExportCheckError,
     _embedded_alias,
@@ -35,7 +36,6 @@ from eval.export import (
     find_head,
     run_context,
 )
-from eval.tree_spec import resolve_tree
 from heads.base import atomic_save_dir
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def _check_prompt_ids(target, prompts: int) -> list[list[int]]:
     from data.formats import read_prompts
 
     encoder = ChatEncoder(target.tokenizer)
-    rows = read_prompts(str(Path(__file__).resolve().parents[1] / CHECK_PROMPTS))[:prompts]
+    rows = read_prompts(str(Path(__file__).resolve().parents[2] / CHECK_PROMPTS))[:prompts]
     return [encoder.prompt([{"role": "user", "content": row["turns"][0]}]) for row in rows]
 
 
@@ -112,7 +112,7 @@ def harness_acceptance(head, target, prompts: list[list[int]], max_new_tokens: i
     """Accepted draft tokens of the same chain in draftsmith's harness (HF target), counted as
     llama.cpp counts them: within the token budget (new tokens - the prefill's - steps), so a
     last step whose draft ran past max_new_tokens is not credited beyond it."""
-    from eval.methods import head_method
+    from eval.bench.methods import head_method
 
     method = head_method(target, "head", head, resolve_tree(chain))
     accepted = tokens = steps = 0

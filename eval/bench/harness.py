@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from data.paths import resolve_path
-from eval.llama_cpp_bench import LLAMA_CPP_METHODS, LlamaCppSettings, build_llama_cpp_methods
-from eval.methods import (
+from eval.bench.llama_cpp import LLAMA_CPP_METHODS, LlamaCppSettings, build_llama_cpp_methods
+from eval.bench.methods import (
     BASELINES,
     HFGenerateMethod,
     Method,
@@ -39,7 +39,7 @@ from eval.methods import (
     eos_token_ids,
     head_method,
 )
-from eval.tree_spec import resolve_tree
+from eval.engine.tree_spec import resolve_tree
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ def run_benchmark(
 ) -> dict:
     """Run every method on every request of the bench; write results.jsonl, summary.json and
     report.md (+ PNGs) into out_dir. Returns the summary."""
-    from eval import report
+    from eval.bench import report
 
     setup = bench if isinstance(bench, BenchRun) else BenchRun(bench)
     methods = list(methods)

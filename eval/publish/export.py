@@ -24,8 +24,8 @@ import torch
 import yaml
 
 from data.paths import resolve_path
-from eval.hooks import TauEvaluator
-from eval.model_card import render_model_card
+from eval.engine.tau import TauEvaluator
+from eval.publish.model_card import render_model_card
 from heads.base import atomic_save_dir
 from train.checkpoint import head_from_checkpoint, is_checkpoint
 from train.rundir import BEST_FILE, CONFIG_FILE, DATA_STATS, kept_head, load_target_config
@@ -163,7 +163,7 @@ def export_draft(
     log.info("exported %s as %s to %s (round trip tau %.3f)", head_dir, fmt, out, check["tau_head"])
     result = ExportResult(out=out, format=fmt, config=config, check=check)
     if push:
-        from eval.hub import push_folder
+        from eval.publish.hub import push_folder
 
         result.url = push_folder(out, push, private=private)
     return result

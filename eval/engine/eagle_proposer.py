@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from eval.dynamic_tree import DynamicTreeConfig, grow_dynamic_tree, select_dynamic_tree
-from eval.proposers import DecodeState, resume_cache
-from eval.tree import Draft, TreeBuffers, build_tree_from_parents
+from eval.engine.dynamic_tree import DynamicTreeConfig, grow_dynamic_tree, select_dynamic_tree
+from eval.engine.proposers import DecodeState, resume_cache
+from eval.engine.tree import Draft, TreeBuffers, build_tree_from_parents
 from heads.base import FeatureDrafter
 from heads.draft_layer import DraftCache
 

@@ -11,7 +11,7 @@ from typing import ClassVar, Protocol
 import torch
 from torch import Tensor
 
-from eval.tree import Draft, TreeBuffers
+from eval.engine.tree import Draft, TreeBuffers
 from heads.base import ParallelDrafter
 
 

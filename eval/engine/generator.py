@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from eval import kv_cache
-from eval.proposers import DecodeState, Proposer
-from eval.tree import Draft, root_only_draft
-from eval.verify import GreedyVerifier, Verifier
+from eval.engine import kv_cache
+from eval.engine.proposers import DecodeState, Proposer
+from eval.engine.tree import Draft, root_only_draft
+from eval.engine.verify import GreedyVerifier, Verifier
 
 
 @dataclass

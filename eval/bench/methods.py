@@ -20,13 +20,13 @@ import torch
 from torch import Tensor
 
 from data.generation import NEUTRAL_PROCESSORS, eos_token_ids
-from eval import kv_cache
-from eval.block_proposer import BlockProposer
-from eval.eagle_proposer import EagleProposer
-from eval.generator import GenerationResult, SpeculativeGenerator, plain_decode
-from eval.proposers import MedusaProposer, Proposer
-from eval.tree_spec import TreeSpec, resolve_tree
-from eval.verify import GreedyVerifier, Verifier
+from eval.engine import kv_cache
+from eval.engine.block_proposer import BlockProposer
+from eval.engine.eagle_proposer import EagleProposer
+from eval.engine.generator import GenerationResult, SpeculativeGenerator, plain_decode
+from eval.engine.proposers import MedusaProposer, Proposer
+from eval.engine.tree_spec import TreeSpec, resolve_tree
+from eval.engine.verify import GreedyVerifier, Verifier
 
 BASELINES = ("plain", "hf_generate", "hf_prompt_lookup")
 # Every proposer; a head drafts with the one whose `drafts` is its class's `drafting`.
