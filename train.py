@@ -2,9 +2,9 @@
 
 Also under Accelerate: accelerate launch [--config_file conf/accelerate/ddp.yaml] train.py ...
 With `export.formats=[eagle3]` (and optionally `export.push_to_hub=USER/REPO`) the kept head is
-exported at the end (eval/export.py: the folder is proved by a round trip before it is written).
-A bad setting or bad data prints one line with the fix (exit status 2; HYDRA_FULL_ERROR=1 shows
-the traceback).
+exported at the end (eval/publish/export.py: the folder is proved by a round trip before it is
+written). A bad setting or bad data prints one line with the fix (exit status 2;
+HYDRA_FULL_ERROR=1 shows the traceback).
 """
 
 import hydra

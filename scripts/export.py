@@ -16,7 +16,8 @@ the export fails and writes nothing.
 --push-to-hub uploads it (private unless --public) with the token in HF_TOKEN.
 gguf (llama.cpp, EAGLE-3 and DFlash drafts) writes draft-<outtype>.gguf through llama.cpp's
 converter and proves it in llama-server: drafted greedy output = llama.cpp's plain output
-(eval/gguf_export.py), with --chain draft tokens a step (a DFlash block of B drafts up to B-1).
+(eval/publish/gguf_export.py), with --chain draft tokens a step (a DFlash block of B drafts up
+to B-1).
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ from eval.bench.harness import (
     BenchConfig,
     BenchRun,
     encode_chat,
-    first_difference,
     near_tie_threshold,
     rounding_step,
     run_benchmark,
@@ -22,6 +21,7 @@ from eval.bench.harness import (
 )
 from eval.bench.methods import Record, build_methods
 from eval.bench.report import DEFINITIONS
+from eval.engine.generator import first_difference
 from eval.engine.tau import TauEvaluator
 from heads.medusa import MedusaConfig, MedusaHeads
 
@@ -265,7 +265,8 @@ def test_bench_and_verifier_configs_instantiate():
 
 @pytest.mark.integration
 def test_evaluate_config_runs_end_to_end(tmp_path):
-    """conf/evaluate.yaml + eval.bench.run on model=tiny_random_llama (SmolLM2's tokenizer)."""
+    """conf/evaluate.yaml + eval.bench.harness.run on model=tiny_random_llama (SmolLM2's
+    tokenizer)."""
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 

@@ -1,4 +1,5 @@
-"""DFlash block drafting (heads/dflash.py, eval/block_proposer.py) on tiny Llama and Qwen2 targets.
+"""DFlash block drafting (heads/dflash.py, eval/engine/block_proposer.py) on tiny Llama and
+Qwen2 targets.
 
 - the training block mask is the reference's (block j sees the context before its anchor, in its
   own conversation, and its own block, bidirectionally);
@@ -23,9 +24,9 @@ from conftest import diverse, make_llama, make_qwen2, make_tokenizer
 from test_eagle_decode import chisquare_pvalue
 from tokenizers import AddedToken
 
-from eval.bench.methods import make_proposer
 from eval.engine import kv_cache
 from eval.engine.block_proposer import BlockProposer
+from eval.engine.drafting import make_proposer
 from eval.engine.generator import SpeculativeGenerator
 from eval.engine.proposers import DecodeState
 from eval.engine.tree import build_tree, chain_tree

@@ -1,5 +1,5 @@
-"""DSpark block drafting (heads/dspark.py through eval/block_proposer.py) on tiny Llama and Qwen2
-targets.
+"""DSpark block drafting (heads/dspark.py through eval/engine/block_proposer.py) on tiny Llama
+and Qwen2 targets.
 
 - training input equals inference input: the teacher-forced slot logits (Markov bias included)
   and confidence logits equal the drafted block's for the same previous tokens;
@@ -19,9 +19,9 @@ import torch
 from conftest import diverse, make_llama, make_qwen2, make_tokenizer
 from test_eagle_decode import chisquare_pvalue
 
-from eval.bench.methods import make_proposer
 from eval.engine import kv_cache
 from eval.engine.block_proposer import BlockProposer
+from eval.engine.drafting import make_proposer
 from eval.engine.generator import SpeculativeGenerator
 from eval.engine.proposers import DecodeState
 from eval.engine.tree import build_tree, chain_tree

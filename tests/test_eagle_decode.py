@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from conftest import diverse, make_llama, make_qwen2
 from torch import nn
 
-from eval.bench.methods import make_proposer
 from eval.engine import kv_cache
+from eval.engine.drafting import make_proposer
 from eval.engine.dynamic_tree import (
     Candidates,
     DynamicTreeConfig,
@@ -581,7 +581,7 @@ def test_tau_evaluator_with_eagle_heads(tiny_llama, tmp_path):
 
 @pytest.mark.integration
 def test_evaluate_runs_an_eagle3_head_on_a_dynamic_tree(tmp_path):
-    """evaluate.py's body (eval.bench.run) with `tree=dynamic` and a saved EAGLE-3 head."""
+    """evaluate.py's body (eval.bench.harness.run) with `tree=dynamic` and a saved EAGLE-3 head."""
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 

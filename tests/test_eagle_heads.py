@@ -176,7 +176,7 @@ def test_ttt_mask_properties():
 
 def test_ttt_unroll_equals_drafting_a_chain(tiny_llama):
     """TTT step i at row t equals drafting i levels below the prefix ending at t with the
-    decoding engine's cache layout and tree mask (eval/eagle_proposer.py)."""
+    decoding engine's cache layout and tree mask (eval/engine/eagle_proposer.py)."""
     from eval.engine.eagle_proposer import draft_tree_mask
 
     head = _eagle3(tiny_llama, ttt_steps=3).eval()

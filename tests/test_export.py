@@ -1,4 +1,5 @@
-"""eval/export.py: export a run's head, prove the folder by a round trip, write the model card."""
+"""eval/publish/export.py: export a run's head, prove the folder by a round trip, write the
+model card."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import heads
-from eval.bench.methods import make_proposer
+from eval.engine.drafting import make_proposer
 from eval.engine.proposers import MedusaProposer
 from eval.publish.model_card import render_model_card
 from heads import interop

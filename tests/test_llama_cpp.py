@@ -21,7 +21,8 @@ from hydra import compose, initialize_config_dir
 
 from data.engines import llama_cpp
 from data.engines.llama_cpp import EngineError, LlamaServer, ServerConfig
-from eval.bench.harness import first_difference, top2_gaps
+from eval.bench.harness import top2_gaps
+from eval.engine.generator import first_difference
 from tests._stand_in_server import openai_stand_in
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

@@ -133,12 +133,12 @@ def test_shipped_trees_load(name, nodes):
     assert load_tree_spec(CONF / "chain.yaml") == TreeSpec.static(chain_paths(4))
 
 
-# ---- tree specs: one front door (eval/tree_spec.py) ----------------------------------------------
+# ---- tree specs: one front door (eval/engine/tree_spec.py) --------------------------------------
 
 
 def test_a_tree_spec_is_checked_once_where_it_enters(tiny_llama):
-    from eval.bench.methods import make_proposer
     from eval.engine import dynamic_tree, tree
+    from eval.engine.drafting import make_proposer
     from eval.engine.tree_spec import resolve_tree
     from heads.medusa import MedusaConfig, MedusaHeads
 

@@ -6,13 +6,13 @@ HF `generate`'s greedy answer, so every method sees token-identical prompts. Eac
 every request with the same `max_new_tokens` and torch threads; the methods take turns in a
 rotating order so that no method is always the first (or last) one to touch the caches.
 
-Methods (eval/methods.py): `plain` (the in-run baseline, same cache code), `hf_generate` and
+Methods (eval/bench/methods.py): `plain` (the in-run baseline, same cache code), `hf_generate` and
 `hf_prompt_lookup` (Hugging Face `generate`, greedy, without / with prompt lookup) and `head` (the
 draft head under test in `SpeculativeGenerator`). Every output is compared with `hf_generate`'s
 token for token.
 
 Outputs in the run dir: results.jsonl (one row per question x turn x method), summary.json and
-report.md with PNG plots (eval/report.py).
+report.md with PNG plots (eval/bench/report.py).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from eval.bench.methods import (
     eos_token_ids,
     head_method,
 )
+from eval.engine.generator import first_difference
 from eval.engine.tree_spec import resolve_tree
 
 log = logging.getLogger(__name__)
@@ -148,14 +149,6 @@ def near_tie_threshold(top1: float, dtype: torch.dtype, fixed: float | None = No
     if fixed is not None:
         return fixed
     return max(FP32_TIE_FLOOR, rounding_step(top1, dtype))
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token (or the shorter length), None when equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 @dataclass

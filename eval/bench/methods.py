@@ -4,9 +4,8 @@
   baseline the speedups are measured against),
 - `HFGenerateMethod`: Hugging Face `generate`, greedy, optionally with prompt-lookup decoding
   (external baselines),
-- `SpeculativeMethod`: a draft head's proposer + a verifier in `SpeculativeGenerator`.
-The proposer is the one in `PROPOSERS` that drafts with the head class's `drafting` Protocol, so
-a new draft method that drafts like Medusa, EAGLE or DFlash needs nothing here.
+- `SpeculativeMethod`: a draft head's proposer (eval.engine.drafting) + a verifier in
+  `SpeculativeGenerator`.
 """
 
 from __future__ import annotations
@@ -21,16 +20,12 @@ from torch import Tensor
 
 from data.generation import NEUTRAL_PROCESSORS, eos_token_ids
 from eval.engine import kv_cache
-from eval.engine.block_proposer import BlockProposer
-from eval.engine.eagle_proposer import EagleProposer
+from eval.engine.drafting import make_proposer
 from eval.engine.generator import GenerationResult, SpeculativeGenerator, plain_decode
-from eval.engine.proposers import MedusaProposer, Proposer
 from eval.engine.tree_spec import TreeSpec, resolve_tree
 from eval.engine.verify import GreedyVerifier, Verifier
 
 BASELINES = ("plain", "hf_generate", "hf_prompt_lookup")
-# Every proposer; a head drafts with the one whose `drafts` is its class's `drafting`.
-PROPOSERS: tuple[type, ...] = (MedusaProposer, EagleProposer, BlockProposer)
 
 
 @dataclass
@@ -173,33 +168,6 @@ class HFGenerateMethod:
         emitted = [b - a for a, b in zip(lengths, ends)]
         emitted[0] += 1 - prompt_len
         return Record(tokens, len(lengths), emitted[0], emitted[1:], seconds)
-
-
-def proposer_class(head) -> type:
-    """The proposer that drafts with `head`'s drafting Protocol (heads.base.DraftHead)."""
-    drafting = getattr(type(head), "drafting", None)
-    for proposer in PROPOSERS:
-        if proposer.drafts is drafting:
-            return proposer
-    raise ValueError(
-        f"no proposer drafts with a {type(head).__name__} (drafting={drafting!r}); give the head "
-        "class a `drafting` Protocol that a proposer in eval.methods.PROPOSERS serves."
-    )
-
-
-def make_proposer(head, tree) -> Proposer:
-    """The proposer for a draft head over `tree` (anything resolve_tree takes): static trees
-    for every head, EAGLE-2 dynamic trees where the proposer grows them."""
-    tree = resolve_tree(tree)
-    proposer = proposer_class(head)
-    if tree.dynamic is None:
-        return proposer(head, tree.buffers)
-    if not proposer.dynamic_trees:
-        raise ValueError(
-            f"a {head.method!r} head drafts a static tree only; pick tree paths (tree=tree16, "
-            "conf/tree/*.yaml) instead of a dynamic tree."
-        )
-    return proposer(head, tree.dynamic)
 
 
 def head_method(

@@ -4,10 +4,10 @@ A config names a tree in many ways: a conf/tree option (`tree16`, `dynamic`), a 
 `{paths: [...]}` or `{depth, top_k, total_tokens}` mapping, a list of Medusa-style paths, or an
 int d (a chain of d top-1 tokens). `resolve_tree` turns any of them into a `TreeSpec` once, where
 the choice enters (evaluate.py's `tree` and `heads:` entries, TauEvaluator, the public functions
-of eval/methods.py); past that, code takes the TreeSpec and never parses again.
+of eval/bench/methods.py); past that, code takes the TreeSpec and never parses again.
 
-A TreeSpec is either static (paths, built once into TreeBuffers by eval/tree.py) or dynamic
-(EAGLE-2's DynamicTreeConfig; eval/dynamic_tree.py grows such a tree at every step).
+A TreeSpec is either static (paths, built once into TreeBuffers by eval/engine/tree.py) or dynamic
+(EAGLE-2's DynamicTreeConfig; eval/engine/dynamic_tree.py grows such a tree at every step).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ model card `README.md` and, when a benchmark run is given, its plots. Before `ou
 folder is re-imported and decoded greedily on a few prompts next to the in-memory head: both must
 give the same tokens and the same accept length at every step (so the same tau), or the export
 fails and `out` is left as it was (heads.base.atomic_save_dir swaps the folder in at the end).
-`push=REPO` then uploads the folder (eval/hub.py).
+`push=REPO` then uploads the folder (eval/publish/hub.py).
 
 This step needs the harness (eval/), so it sits after eval rather than between train and eval
 as DESIGN.md drew it; `train.py` calls it at the end of a run when `export.formats` is set.

@@ -26,8 +26,11 @@ from pathlib import Path
 import torch
 
 from data.engines.llama_cpp import LlamaServer, ServerConfig
-from eval.bench.harness import first_difference
+from data.generation import eos_token_ids
+from eval.engine.drafting import make_proposer
+from eval.engine.generator import SpeculativeGenerator, first_difference
 from eval.engine.tree_spec import resolve_tree
+from eval.engine.verify import GreedyVerifier
 from eval.publish.export import (
     CHECK_PROMPTS,
     ExportCheckError,
@@ -112,12 +115,12 @@ def harness_acceptance(head, target, prompts: list[list[int]], max_new_tokens: i
     """Accepted draft tokens of the same chain in draftsmith's harness (HF target), counted as
     llama.cpp counts them: within the token budget (new tokens - the prefill's - steps), so a
     last step whose draft ran past max_new_tokens is not credited beyond it."""
-    from eval.bench.methods import head_method
-
-    method = head_method(target, "head", head, resolve_tree(chain))
+    proposer = make_proposer(head, resolve_tree(chain))
+    eos = eos_token_ids(target)
+    generator = SpeculativeGenerator(target.model, proposer, GreedyVerifier(), eos)
     accepted = tokens = steps = 0
     for ids in prompts:
-        result = method.generator.generate(torch.tensor([ids]), max_new_tokens)
+        result = generator.generate(torch.tensor([ids]), max_new_tokens)
         decoded = result.new_tokens.numel() - 1
         accepted += decoded - len(result.accept_lengths)
         steps += len(result.accept_lengths)
