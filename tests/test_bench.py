@@ -23,6 +23,7 @@ from eval.bench.methods import Record, build_methods
 from eval.bench.report import DEFINITIONS
 from eval.engine.generator import first_difference
 from eval.engine.tau import TauEvaluator
+from eval.engine.tree_spec import resolve_tree
 from heads.medusa import MedusaConfig, MedusaHeads
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -50,7 +51,7 @@ def bench_run(tiny_llama, tmp_path):
     """One benchmark of all four methods over 3 questions (4 requests) x 12 tokens."""
     prompts = write_prompts(tmp_path / "prompts.jsonl")
     names = ["plain", "hf_generate", "hf_prompt_lookup", "head"]
-    methods = build_methods(tiny_llama, names, medusa(tiny_llama), TREE)
+    methods = build_methods(tiny_llama, names, medusa(tiny_llama), resolve_tree(TREE))
     cfg = BenchConfig(name="tiny", path=str(prompts), max_new_tokens=12, warmup=1)
     out = tmp_path / "run"
     summary = run_benchmark(tiny_llama, methods, cfg, out)

@@ -30,6 +30,7 @@ from eval.engine.drafting import make_proposer
 from eval.engine.generator import SpeculativeGenerator
 from eval.engine.proposers import DecodeState
 from eval.engine.tree import build_tree, chain_tree
+from eval.engine.tree_spec import resolve_tree
 from eval.engine.verify import GreedyVerifier, SpeculativeSampler, process_logits
 from heads.dflash import (
     DFlashConfig,
@@ -137,7 +138,7 @@ def test_config_errors(tiny_llama):
     with pytest.raises(ValueError, match="drafts at most 2 tokens"):
         BlockProposer(head, chain_tree(3))
     with pytest.raises(ValueError, match="drafts a static tree only"):
-        make_proposer(head, "dynamic")
+        make_proposer(head, resolve_tree("dynamic"))
 
 
 # ---- training input == inference input ------------------------------------------------------
@@ -290,7 +291,7 @@ def test_random_heads_are_lossless(target, greedy_future, reduced):
     head = real_head(target, reduced=reduced)
     want = greedy_future[PROMPT.shape[1] :][:NEW].tolist()
     for tree in (4, TREE):
-        proposer = make_proposer(head, tree)
+        proposer = make_proposer(head, resolve_tree(tree))
         assert isinstance(proposer, BlockProposer)
         assert generate(target.model, proposer).new_tokens.tolist() == want
 

@@ -336,7 +336,7 @@ def test_real_heads_are_lossless(target, greedy_future, method):
     head = real_head(target, method)
     want = greedy_future[PROMPT.shape[1] :][:NEW].tolist()
     for tree in (TREE, DYNAMIC):
-        proposer = make_proposer(head, tree)
+        proposer = make_proposer(head, resolve_tree(tree))
         assert isinstance(proposer, EagleProposer)
         assert proposer.feature_layers == head.feature_layers()
         assert generate(target.model, proposer).new_tokens.tolist() == want
@@ -472,7 +472,7 @@ def test_sampling_with_eagle_drafts_is_lossless(tree, draft_temperature, tempera
     torch.manual_seed(0)
     head = EagleHead.for_target(EagleConfig(), target).eval()
     shape = DynamicTreeConfig(depth=3, top_k=3, total_tokens=8) if tree == "dynamic" else TREE
-    proposer = make_proposer(head, shape)
+    proposer = make_proposer(head, resolve_tree(shape))
     if draft_temperature is not None:
         proposer = EagleProposer(
             head, build_tree(TREE), draft_temperature, generator=torch.Generator().manual_seed(5)
@@ -546,12 +546,12 @@ def test_tree_configs_and_make_proposer(target):
     with pytest.raises(ValueError, match="depth"):
         DynamicTreeConfig(depth=0)
     head = real_head(target, "eagle3")
-    assert isinstance(make_proposer(head, DYNAMIC).tree, DynamicTreeConfig)
+    assert isinstance(make_proposer(head, resolve_tree(DYNAMIC)).tree, DynamicTreeConfig)
     from heads.medusa import MedusaConfig, MedusaHeads
 
     medusa = MedusaHeads.for_target(MedusaConfig(num_heads=2), target)
     with pytest.raises(ValueError, match="static tree only"):
-        make_proposer(medusa, DYNAMIC)
+        make_proposer(medusa, resolve_tree(DYNAMIC))
     with pytest.raises(ValueError, match="static tree"):
         EagleProposer(head, DYNAMIC, draft_temperature=1.0)
     proposer = EagleProposer(head, DYNAMIC)

@@ -146,6 +146,8 @@ def test_a_tree_spec_is_checked_once_where_it_enters(tiny_llama):
     assert resolve_tree(spec) is spec and spec.depth == 4 and spec.num_nodes == 5
     head = MedusaHeads.for_target(MedusaConfig(num_heads=4), tiny_llama)
     assert make_proposer(head, spec).tree is spec.buffers  # built once, not parsed again
+    with pytest.raises(TypeError, match="resolve the tree where it enters"):
+        make_proposer(head, "chain")  # past the edge only a TreeSpec is taken
     with pytest.raises(ValueError, match=r"tree path \[0, 0, 0\] has no parent"):
         resolve_tree([[0], [0, 0, 0]])  # refused at the edge, not when decoding starts
     with pytest.raises(ValueError, match="keys \\['depth', 'paths'\\]"):

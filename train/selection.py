@@ -1,10 +1,10 @@
 """Checkpoint-time evaluation and best-head selection.
 
-An evaluator is any callable `(head, target) -> dict[str, float]` (e.g.
-eval.engine.tau.TauEvaluator, injected by the entry point through Hydra; train/ never imports
-eval/). It runs on the main process whenever the loop validates; its numbers are logged as
-`eval/<name>`. With `TrainerConfig.best_metric` set (e.g. "eval/tau" or "val/loss"), the head
-with the best value so far is kept in `<run_dir>/best_head/` with `best.json` beside it, so the kept head is the one
+An evaluator is any callable `(head, target) -> dict[str, float]` (e.g. TauEvaluator (eval.engine),
+injected by the entry point through Hydra; train/ never imports eval/). It runs on the main
+process whenever the loop validates; its numbers are logged as `eval/<name>`. With
+`TrainerConfig.best_metric` set (e.g. "eval/tau" or "val/loss"), the head with the best value
+so far is kept in `<run_dir>/best_head/` with `best.json` beside it, so the kept head is the one
 that decodes best, not merely the one with the lowest loss.
 
 Crash safety: best_head/ is replaced as a whole (heads.base.atomic_save_dir) and carries its own

@@ -291,7 +291,7 @@ def run(cfg) -> dict:
     from omegaconf import OmegaConf
 
     import heads
-    from heads.target import load_target
+    from heads.target import RunTarget
     from train.checkpoint import head_from_checkpoint, is_checkpoint
 
     torch.manual_seed(cfg.seed)
@@ -299,7 +299,8 @@ def run(cfg) -> dict:
         torch.set_num_threads(int(cfg.threads))
     bench = instantiate(cfg.bench, _convert_="all")
     verifier = instantiate(cfg.verifier, _convert_="all")
-    target = load_target(instantiate(cfg.model, _convert_="all"))
+    run_target = RunTarget.load(instantiate(cfg.model, _convert_="all"))  # the one reading
+    target = run_target.target
     target.model.to(_device(cfg.get("device", "auto")))
     names = list(cfg.methods)
     head, meta = None, {"tree": _choice("tree"), "verifier": _choice("verifier")}
@@ -337,7 +338,7 @@ def run(cfg) -> dict:
     )
     if engine_names:
         out_dir = Path(cfg.get("out_dir") or _hydra_output_dir())
-        settings = llama_cpp_settings(cfg, head, target, out_dir)
+        settings = llama_cpp_settings(cfg, head, run_target, out_dir)
         methods += build_llama_cpp_methods(engine_names, settings)
         meta["llama_cpp"] = asdict(settings)
     extra = cfg.get("heads")
@@ -357,7 +358,7 @@ def run(cfg) -> dict:
             "tree_depth": head_tree.depth,
         }
     _check_adapted(target, loaded, meta)
-    setup = BenchRun(bench, cfg.model.get("chat_template"), cfg.near_tie_gap, meta)
+    setup = BenchRun(bench, run_target.config.chat_template, cfg.near_tie_gap, meta)
     out_dir = cfg.get("out_dir") or _hydra_output_dir()
     try:
         summary = run_benchmark(target, methods, setup, out_dir)
@@ -373,32 +374,26 @@ def run(cfg) -> dict:
     return summary
 
 
-def llama_cpp_settings(cfg, head, target, out_dir: Path) -> LlamaCppSettings:
-    """bench.llama_cpp resolved: the target GGUF ("auto": the target's own file; an outtype:
-    converted once) and the draft GGUF (exported from `head` when not given); a null
-    --spec-type is read from that file when the servers start (build_llama_cpp_methods)."""
+def llama_cpp_settings(cfg, head, run_target, out_dir: Path) -> LlamaCppSettings:
+    """bench.llama_cpp resolved: the target GGUF (heads.interop.gguf.TargetGGUF: "auto", the
+    target's own file; an outtype, converted once; a path) and the draft GGUF (exported from
+    `head` when not given); a null --spec-type is read from that file when the servers start
+    (build_llama_cpp_methods). `run_target`: the run's heads.target.RunTarget."""
     from omegaconf import OmegaConf
 
-    from heads.interop.gguf import chosen_target_gguf, export_gguf
-    from heads.target import resolve_source
+    from heads.interop.gguf import TargetGGUF, export_gguf, gguf_for_target
 
     doc = OmegaConf.to_container(cfg.llama_cpp, resolve=True)
     settings = LlamaCppSettings(**doc)
-    model_cfg = instantiate_model(cfg)
-    settings.target_gguf = str(chosen_target_gguf(model_cfg, settings.target_gguf))
+    choice = TargetGGUF.parse(settings.target_gguf)
+    settings.target_gguf = str(gguf_for_target(run_target.config, choice))
     if settings.draft_gguf is None and "llama_cpp_draft" in cfg.methods:
         if head is None:
             raise ValueError("llama_cpp_draft needs head_path (or llama_cpp.draft_gguf).")
-        source, _ = resolve_source(model_cfg)
         draft = out_dir / "draft-f32.gguf"
-        settings.draft_gguf = str(export_gguf(head, target, source, draft, "f32"))
+        gguf = export_gguf(head, run_target.target, run_target.source, draft, "f32")
+        settings.draft_gguf = str(gguf)
     return settings
-
-
-def instantiate_model(cfg):
-    from hydra.utils import instantiate
-
-    return instantiate(cfg.model, _convert_="all")
 
 
 def log_to_tracker(summary: dict, out_dir, logger_cfg, config: dict) -> None:

@@ -22,7 +22,7 @@ from data.generation import NEUTRAL_PROCESSORS, eos_token_ids
 from eval.engine import kv_cache
 from eval.engine.drafting import make_proposer
 from eval.engine.generator import GenerationResult, SpeculativeGenerator, plain_decode
-from eval.engine.tree_spec import TreeSpec, resolve_tree
+from eval.engine.tree_spec import TreeSpec
 from eval.engine.verify import GreedyVerifier, Verifier
 
 BASELINES = ("plain", "hf_generate", "hf_prompt_lookup")
@@ -174,12 +174,11 @@ def head_method(
     target,
     name: str,
     head,
-    tree,
+    tree: TreeSpec,
     verifier: Verifier | None = None,
     max_context: int | None = None,
 ) -> SpeculativeMethod:
-    """A draft head decoding over `tree` (anything resolve_tree takes)."""
-    tree = resolve_tree(tree)
+    """A draft head decoding over `tree` (resolved where it entered: resolve_tree)."""
     proposer = make_proposer(head, tree)
     generator = SpeculativeGenerator(
         target.model, proposer, verifier or GreedyVerifier(), eos_token_ids(target), max_context
@@ -198,7 +197,7 @@ def build_methods(
 ) -> list[Method]:
     """Methods by name: plain, hf_generate, hf_prompt_lookup, head (needs head + tree).
 
-    `tree`: anything resolve_tree takes (a TreeSpec, paths, a conf/tree name, ...).
+    `tree`: the TreeSpec of `head` (eval.engine.tree_spec.resolve_tree, where the tree enters).
     `verifier` (default greedy) decides the tokens of `plain` and `head`; the HF baselines are
     always greedy.
     """

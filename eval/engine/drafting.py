@@ -8,7 +8,7 @@ from __future__ import annotations
 from eval.engine.block_proposer import BlockProposer
 from eval.engine.eagle_proposer import EagleProposer
 from eval.engine.proposers import MedusaProposer, Proposer
-from eval.engine.tree_spec import resolve_tree
+from eval.engine.tree_spec import TreeSpec
 
 # Every proposer; a head drafts with the one whose `drafts` is its class's `drafting`.
 PROPOSERS: tuple[type, ...] = (MedusaProposer, EagleProposer, BlockProposer)
@@ -26,10 +26,15 @@ def proposer_class(head) -> type:
     )
 
 
-def make_proposer(head, tree) -> Proposer:
-    """The proposer for a draft head over `tree` (anything resolve_tree takes): static trees
-    for every head, EAGLE-2 dynamic trees where the proposer grows them."""
-    tree = resolve_tree(tree)
+def make_proposer(head, tree: TreeSpec) -> Proposer:
+    """The proposer for a draft head over `tree`: static trees for every head, EAGLE-2 dynamic
+    trees where the proposer grows them. A tree is resolved once where it enters
+    (eval.engine.tree_spec.resolve_tree) and passed on as its TreeSpec."""
+    if not isinstance(tree, TreeSpec):
+        raise TypeError(
+            f"make_proposer takes a TreeSpec, not {type(tree).__name__}: resolve the tree where "
+            "it enters (eval.engine.tree_spec.resolve_tree) and pass the spec on."
+        )
     proposer = proposer_class(head)
     if tree.dynamic is None:
         return proposer(head, tree.buffers)
