@@ -4,8 +4,8 @@
     python evaluate.py bench=jsonl bench.path=prompts.jsonl head_path=null   # baselines only
 
 Writes results.jsonl, summary.json, report.md and PNG plots into the Hydra run dir
-(conf/evaluate.yaml; eval/bench.py does the work). A bad setting or a bad head folder prints one
-line with the fix (exit status 2; HYDRA_FULL_ERROR=1 shows the traceback).
+(conf/evaluate.yaml; eval/bench/harness.py does the work). A bad setting or a bad head folder
+prints one line with the fix (exit status 2; HYDRA_FULL_ERROR=1 shows the traceback).
 """
 
 import re
@@ -37,7 +37,7 @@ def chain_overrides(argv: list[str]) -> list[str]:
 @hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
 @report_user_errors
 def main(cfg: DictConfig) -> None:
-    from eval.bench import run
+    from eval.bench.harness import run
 
     run(cfg)
 

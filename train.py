@@ -2,9 +2,9 @@
 
 Also under Accelerate: accelerate launch [--config_file conf/accelerate/ddp.yaml] train.py ...
 With `export.formats=[eagle3]` (and optionally `export.push_to_hub=USER/REPO`) the kept head is
-exported at the end (eval/export.py: the folder is proved by a round trip before it is written).
-A bad setting or bad data prints one line with the fix (exit status 2; HYDRA_FULL_ERROR=1 shows
-the traceback).
+exported at the end (eval/publish/export.py: the folder is proved by a round trip before it is
+written). A bad setting or bad data prints one line with the fix (exit status 2;
+HYDRA_FULL_ERROR=1 shows the traceback).
 """
 
 import hydra
@@ -23,7 +23,7 @@ def main(cfg: DictConfig) -> None:
     result = train.run(cfg, run_dir)
     export = cfg.get("export") or {}
     if export.get("formats") and result.head_dir is not None:
-        from eval.export import export_run
+        from eval.publish.export import export_run
 
         export_run(run_dir, export)
     _close_process_group()

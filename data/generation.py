@@ -1,7 +1,7 @@
 """Generating text with the target: `generate` settings that change nothing, and every EOS id.
 
-Shared by self-distillation (data/distill.py) and the benchmark's HF baselines (eval/methods.py).
-The target is duck-typed (`.tokenizer`, `.model.generation_config`).
+Shared by self-distillation (data/distill.py) and the benchmark's HF baselines
+(eval/bench/methods.py). The target is duck-typed (`.tokenizer`, `.model.generation_config`).
 """
 
 from __future__ import annotations

@@ -1,44 +1,10 @@
-"""Speculative decoding: draft trees, KV-cache surgery, verifiers, the decoding loop."""
+"""Decoding with a draft, measuring it, and publishing it: three sub-packages, one job each.
 
-from eval.generator import GenerationResult, SpeculativeGenerator, plain_decode, plain_greedy
-from eval.proposers import DecodeState, MedusaProposer, Proposer
-from eval.tree import (
-    Draft,
-    TreeBuffers,
-    build_tree,
-    build_tree_from_parents,
-    chain_tree,
-)
-from eval.tree_spec import TreeSpec, load_tree_spec, resolve_tree
-from eval.verify import (
-    GreedyVerifier,
-    SpeculativeSampler,
-    TypicalVerifier,
-    Verdict,
-    Verifier,
-    make_verifier,
-)
+- eval.engine: speculative decoding (draft trees, proposers, verifiers, KV-cache surgery, the
+  decoding loop) and the acceptance length of a head on a few prompts.
+- eval.bench: the benchmark (every method on the same prompts, timed alike; the report).
+- eval.publish: export a draft to a serving format, prove the export, upload it.
 
-__all__ = [
-    "DecodeState",
-    "Draft",
-    "GenerationResult",
-    "GreedyVerifier",
-    "MedusaProposer",
-    "Proposer",
-    "SpeculativeGenerator",
-    "SpeculativeSampler",
-    "TreeBuffers",
-    "TreeSpec",
-    "TypicalVerifier",
-    "Verdict",
-    "Verifier",
-    "build_tree",
-    "build_tree_from_parents",
-    "chain_tree",
-    "load_tree_spec",
-    "make_verifier",
-    "plain_decode",
-    "plain_greedy",
-    "resolve_tree",
-]
+bench and publish both build on engine and never on each other; engine imports neither
+(tests/test_architecture.py).
+"""

@@ -168,7 +168,7 @@ class BlockDrafter(DraftHead, Protocol):
         at depth d (d places after the anchor). The cache is read, not changed.
     A head whose slots depend on the token drafted before them (DSpark's Markov head) also has
     draft_chain(root, position, cache, depth, draft_temperature, generator), which the proposer
-    then uses for chains (eval/block_proposer.py).
+    then uses for chains (eval/engine/block_proposer.py).
     """
 
     block_size: int

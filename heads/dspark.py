@@ -24,7 +24,7 @@ weighs exp(-k / gamma) (or D-PACE weights from the CE), and the sum is divided b
 weights. Only the contiguous run of labelled slots from the anchor counts: a chain cannot step over
 a token that is not a label.
 
-Drafting (eval/block_proposer.py) goes through `draft_chain`: one backbone forward, then the
+Drafting (eval/engine/block_proposer.py) goes through `draft_chain`: one backbone forward, then the
 Markov walk (greedy or sampled, reporting the exact distribution each token was drawn from, so
 that verification stays lossless). Verification is a chain.
 """
@@ -197,7 +197,7 @@ class DSparkHead(DFlashHead):
         """The confidence logits (...,) of block slots (needs the confidence head)."""
         return self.confidence_head(hidden, embedding)
 
-    # ---- drafting (eval/block_proposer.py) -----------------------------------------------
+    # ---- drafting (eval/engine/block_proposer.py) -----------------------------------------------
 
     def draft_block(self, anchor: Tensor, position: Tensor, cache) -> Tensor:
         """The block's logits along its own greedy chain: (B, block_size, D) float, row d-1

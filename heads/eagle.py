@@ -116,7 +116,7 @@ class EagleHead(nn.Module):
             loss_ids,
         )
 
-    # ---- drafting interface (eval/eagle_proposer.py) -------------------------------------
+    # ---- drafting interface (eval/engine/eagle_proposer.py) -------------------------------------
 
     def feature_layers(self) -> list[int] | None:
         return None

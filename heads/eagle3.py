@@ -173,7 +173,7 @@ class Eagle3Head(nn.Module):
             draft_ids,
         )
 
-    # ---- drafting interface (eval/eagle_proposer.py) -------------------------------------
+    # ---- drafting interface (eval/engine/eagle_proposer.py) -------------------------------------
 
     def feature_layers(self) -> list[int] | None:
         return list(self.config.aux_layers)

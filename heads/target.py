@@ -257,3 +257,23 @@ def load_target(cfg: TargetConfig) -> Target:
         tokenizer.chat_template = cfg.chat_template
     name = EMBEDDED[cfg.name_or_path][2] if cfg.name_or_path in EMBEDDED else cfg.name_or_path
     return Target(model, tokenizer, name_or_path=name)
+
+
+@dataclass(frozen=True)
+class RunTarget:
+    """A run's target, normalised once where it enters (a `model:` config section, a run's
+    config.yaml, a head folder's record) and passed on: the TargetConfig it names and the
+    Target loaded from it. Code past that point reads these, never the raw section again."""
+
+    config: TargetConfig
+    target: Target
+
+    @classmethod
+    def load(cls, config: TargetConfig) -> RunTarget:
+        return cls(config, load_target(config))
+
+    @property
+    def source(self) -> str:
+        """The folder (or Hub id) the target loads from; a Hugging Face folder for an embedded
+        target (converted once), which is what llama.cpp's GGUF converter reads."""
+        return resolve_source(self.config)[0]

@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from eval.report import group_metrics, summarize, write_report
+from eval.bench.report import group_metrics, summarize, write_report
 
 
 def table(rows: list[dict], depths: dict[str, int]) -> list[str]:

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from eval.tree import chain_paths, expected_acceptance_paths
+from eval.engine.tree import chain_paths, expected_acceptance_paths
 
 # accuracy[d][r]: how often head d's rank-r token is right (rough Medusa-1 figures on a chat model;
 # later heads are weaker, lower ranks quickly become unlikely).

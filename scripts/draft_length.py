@@ -6,7 +6,7 @@ The run must hold `llama_cpp_plain` and `llama_cpp_draft` (drafting n_max tokens
 draft's per-position acceptance (share of steps accepting >= i draft tokens) and the measured
 milliseconds per target step of both methods (0 drafted tokens: plain; n_max: the draft, its
 drafting included), a linear cost model gives the expected tokens/s of every length 0..n_max
-(eval.llama_cpp_bench.best_draft_length). Longer drafts than the run's are not extrapolated:
+(eval.bench.llama_cpp.best_draft_length). Longer drafts than the run's are not extrapolated:
 rerun with a larger llama_cpp.draft_n_max to look further. Prints the table and the best length.
 """
 
@@ -26,7 +26,7 @@ def step_ms(metrics: dict) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from eval.llama_cpp_bench import best_draft_length
+    from eval.bench.llama_cpp import best_draft_length
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path, help="an evaluate.py run dir (summary.json)")

@@ -16,7 +16,8 @@ the export fails and writes nothing.
 --push-to-hub uploads it (private unless --public) with the token in HF_TOKEN.
 gguf (llama.cpp, EAGLE-3 and DFlash drafts) writes draft-<outtype>.gguf through llama.cpp's
 converter and proves it in llama-server: drafted greedy output = llama.cpp's plain output
-(eval/gguf_export.py), with --chain draft tokens a step (a DFlash block of B drafts up to B-1).
+(eval/publish/gguf_export.py), with --chain draft tokens a step (a DFlash block of B drafts up
+to B-1).
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
-    from eval.export import ExportCheckError, export_draft
-    from eval.hub import HubUploadError
+    from eval.publish.export import ExportCheckError, export_draft
+    from eval.publish.hub import HubUploadError
 
     if args.format == "gguf":
         return _export_gguf(args)
@@ -87,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _export_gguf(args) -> int:
     from data.engines.llama_cpp import EngineError
-    from eval.export import ExportCheckError
-    from eval.gguf_export import export_gguf_run
+    from eval.publish.export import ExportCheckError
+    from eval.publish.gguf_export import export_gguf_run
 
     try:
         doc = export_gguf_run(

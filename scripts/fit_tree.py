@@ -21,8 +21,8 @@ from omegaconf import OmegaConf
 import heads
 from data.config import DataConfig
 from data.prepare import prepare_data
-from eval.tree import expected_acceptance_paths
-from eval.tree_fit import rank_accuracy
+from eval.engine.tree import expected_acceptance_paths
+from eval.engine.tree_fit import rank_accuracy
 from train.rundir import CONFIG_FILE, HEAD_DIR, load_target_config
 
 

@@ -9,20 +9,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from eval.bench import (
+from eval.bench.harness import (
     FP32_TIE_FLOOR,
     BenchConfig,
     BenchRun,
     encode_chat,
-    first_difference,
     near_tie_threshold,
     rounding_step,
     run_benchmark,
     top2_gaps,
 )
-from eval.hooks import TauEvaluator
-from eval.methods import Record, build_methods
-from eval.report import DEFINITIONS
+from eval.bench.methods import Record, build_methods
+from eval.bench.report import DEFINITIONS
+from eval.engine.generator import first_difference
+from eval.engine.tau import TauEvaluator
+from eval.engine.tree_spec import resolve_tree
 from heads.medusa import MedusaConfig, MedusaHeads
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -50,7 +51,7 @@ def bench_run(tiny_llama, tmp_path):
     """One benchmark of all four methods over 3 questions (4 requests) x 12 tokens."""
     prompts = write_prompts(tmp_path / "prompts.jsonl")
     names = ["plain", "hf_generate", "hf_prompt_lookup", "head"]
-    methods = build_methods(tiny_llama, names, medusa(tiny_llama), TREE)
+    methods = build_methods(tiny_llama, names, medusa(tiny_llama), resolve_tree(TREE))
     cfg = BenchConfig(name="tiny", path=str(prompts), max_new_tokens=12, warmup=1)
     out = tmp_path / "run"
     summary = run_benchmark(tiny_llama, methods, cfg, out)
@@ -238,7 +239,7 @@ def test_bench_and_verifier_configs_instantiate():
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from eval.verify import GreedyVerifier, SpeculativeSampler, TypicalVerifier
+    from eval.engine.verify import GreedyVerifier, SpeculativeSampler, TypicalVerifier
 
     kinds = {"greedy": GreedyVerifier, "typical": TypicalVerifier, "sampling": SpeculativeSampler}
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -252,8 +253,8 @@ def test_bench_and_verifier_configs_instantiate():
         assert cfg.model.name_or_path == "smollm2_135m" and len(cfg.tree.paths) == 31
         # `tree=7` (a chain, as the block drafters' docs write it) reaches Hydra as a chain
         import evaluate
-        from eval.tree import chain_paths
-        from eval.tree_spec import resolve_tree
+        from eval.engine.tree import chain_paths
+        from eval.engine.tree_spec import resolve_tree
 
         argv = evaluate.chain_overrides(["+experiment=dflash_llama", "tree=7", "seed=1"])
         assert argv[0] == "+experiment=dflash_llama" and argv[-1] == "seed=1"
@@ -265,11 +266,12 @@ def test_bench_and_verifier_configs_instantiate():
 
 @pytest.mark.integration
 def test_evaluate_config_runs_end_to_end(tmp_path):
-    """conf/evaluate.yaml + eval.bench.run on model=tiny_random_llama (SmolLM2's tokenizer)."""
+    """conf/evaluate.yaml + eval.bench.harness.run on model=tiny_random_llama (SmolLM2's
+    tokenizer)."""
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from eval.bench import run
+    from eval.bench.harness import run
     from heads.target import load_target
 
     prompts = write_prompts(tmp_path / "p.jsonl")
@@ -303,7 +305,7 @@ def test_several_heads_in_one_run(tmp_path):
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from eval.bench import run
+    from eval.bench.harness import run
     from heads.eagle import EagleConfig, EagleHead
     from heads.target import load_target
 
@@ -348,7 +350,7 @@ def test_several_heads_in_one_run(tmp_path):
 
 
 def test_head_entries_are_checked():
-    from eval.bench import _head_entry
+    from eval.bench.harness import _head_entry
 
     assert _head_entry("a", "DIR", set()) == {"path": "DIR", "tree": "tree16"}
     with pytest.raises(ValueError, match="already a method"):
@@ -360,8 +362,8 @@ def test_head_entries_are_checked():
 
 
 def test_resolve_tree_names_and_errors(tmp_path):
-    from eval.dynamic_tree import DynamicTreeConfig
-    from eval.tree_spec import resolve_tree
+    from eval.engine.dynamic_tree import DynamicTreeConfig
+    from eval.engine.tree_spec import resolve_tree
 
     assert resolve_tree(2).paths == ((0,), (0, 0))
     assert isinstance(resolve_tree("dynamic").dynamic, DynamicTreeConfig)
@@ -376,7 +378,7 @@ def test_resolve_tree_names_and_errors(tmp_path):
 def test_per_category_keeps_the_first_questions_of_each(tmp_path):
     from collections import Counter
 
-    from eval.bench import load_bench_prompts
+    from eval.bench.harness import load_bench_prompts
 
     spec = BenchConfig(path="data/corpora/spec_bench/question.jsonl", per_category=2)
     prompts = load_bench_prompts(spec)
@@ -398,7 +400,7 @@ def test_a_medusa2_head_runs_alone_on_its_adapted_target(tmp_path):
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from eval.bench import run
+    from eval.bench.harness import run
     from heads.medusa2 import Medusa2Config, Medusa2Head
     from heads.target import load_target
 
@@ -469,7 +471,7 @@ def test_rows_are_kept_when_a_run_stops_early_and_the_report_rebuilds(tiny_llama
 def test_evaluate_logs_metrics_report_and_plots_to_wandb_offline(tmp_path, monkeypatch):
     from PIL import Image
 
-    from eval.bench import log_to_tracker
+    from eval.bench.harness import log_to_tracker
     from train.tracking import LoggerConfig
 
     monkeypatch.setenv("WANDB_SILENT", "true")

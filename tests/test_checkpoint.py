@@ -352,7 +352,7 @@ def test_another_head_or_data_is_refused(target, tmp_path):
 def test_a_checkpoint_becomes_a_head_folder(target, tmp_path):
     from safetensors.torch import load_file
 
-    from eval.export import find_head
+    from eval.publish.export import find_head
     from train.rundir import CHECKPOINT_HEADS, HEAD_DIR, manifest_problems
 
     run_dir = tmp_path / "run"

@@ -200,7 +200,7 @@ def test_preparing_data_imports_no_training_code():
 
 
 def test_one_encoder_for_training_distillation_and_benchmark(tokenizer):
-    from eval.bench import encode_chat
+    from eval.bench.harness import encode_chat
 
     chat = [
         {"role": "user", "content": "hello"},

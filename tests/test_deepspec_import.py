@@ -19,10 +19,10 @@ from conftest import diverse, make_llama, make_qwen2, make_tokenizer
 from safetensors.torch import save_file
 
 import heads
-from eval.block_proposer import BlockProposer
-from eval.generator import SpeculativeGenerator
-from eval.tree import chain_tree
-from eval.verify import GreedyVerifier
+from eval.engine.block_proposer import BlockProposer
+from eval.engine.generator import SpeculativeGenerator
+from eval.engine.tree import chain_tree
+from eval.engine.verify import GreedyVerifier
 from heads import interop
 from heads.base import HeadMismatchError
 from heads.dspark import DSparkConfig, DSparkHead

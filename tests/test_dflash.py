@@ -1,4 +1,5 @@
-"""DFlash block drafting (heads/dflash.py, eval/block_proposer.py) on tiny Llama and Qwen2 targets.
+"""DFlash block drafting (heads/dflash.py, eval/engine/block_proposer.py) on tiny Llama and
+Qwen2 targets.
 
 - the training block mask is the reference's (block j sees the context before its anchor, in its
   own conversation, and its own block, bidirectionally);
@@ -23,13 +24,14 @@ from conftest import diverse, make_llama, make_qwen2, make_tokenizer
 from test_eagle_decode import chisquare_pvalue
 from tokenizers import AddedToken
 
-from eval import kv_cache
-from eval.block_proposer import BlockProposer
-from eval.generator import SpeculativeGenerator
-from eval.methods import make_proposer
-from eval.proposers import DecodeState
-from eval.tree import build_tree, chain_tree
-from eval.verify import GreedyVerifier, SpeculativeSampler, process_logits
+from eval.engine import kv_cache
+from eval.engine.block_proposer import BlockProposer
+from eval.engine.drafting import make_proposer
+from eval.engine.generator import SpeculativeGenerator
+from eval.engine.proposers import DecodeState
+from eval.engine.tree import build_tree, chain_tree
+from eval.engine.tree_spec import resolve_tree
+from eval.engine.verify import GreedyVerifier, SpeculativeSampler, process_logits
 from heads.dflash import (
     DFlashConfig,
     DFlashHead,
@@ -136,7 +138,7 @@ def test_config_errors(tiny_llama):
     with pytest.raises(ValueError, match="drafts at most 2 tokens"):
         BlockProposer(head, chain_tree(3))
     with pytest.raises(ValueError, match="drafts a static tree only"):
-        make_proposer(head, "dynamic")
+        make_proposer(head, resolve_tree("dynamic"))
 
 
 # ---- training input == inference input ------------------------------------------------------
@@ -289,7 +291,7 @@ def test_random_heads_are_lossless(target, greedy_future, reduced):
     head = real_head(target, reduced=reduced)
     want = greedy_future[PROMPT.shape[1] :][:NEW].tolist()
     for tree in (4, TREE):
-        proposer = make_proposer(head, tree)
+        proposer = make_proposer(head, resolve_tree(tree))
         assert isinstance(proposer, BlockProposer)
         assert generate(target.model, proposer).new_tokens.tolist() == want
 

@@ -6,7 +6,7 @@ The schema tests pin each layout as the reference code reads and writes it; the 
 key and tensor is named beside the test (snapshots: z-lab/dflash 44947fb, vllm-project/speculators
 c05b95b, sgl-project/SpecForge a6b6b02, llama.cpp build 11434). The round trips prove that an
 export loads back into the same head: identical tensors, identical block drafts, and the same
-greedy output and accept lengths through eval/export.py's check.
+greedy output and accept lengths through eval/publish/export.py's check.
 """
 
 from __future__ import annotations

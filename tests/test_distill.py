@@ -13,7 +13,7 @@ from data import normalize_row
 from data.chat import ChatEncoder
 from data.distill import DistillConfig, _Generator, distill, done_keys, repair_tail
 from data.row_checks import RowSkipped
-from eval.generator import plain_greedy
+from eval.engine.generator import plain_greedy
 
 ROWS = [
     {"id": "a", "turns": ["Hi there", "And then?"]},

@@ -1,5 +1,5 @@
-"""DSpark block drafting (heads/dspark.py through eval/block_proposer.py) on tiny Llama and Qwen2
-targets.
+"""DSpark block drafting (heads/dspark.py through eval/engine/block_proposer.py) on tiny Llama
+and Qwen2 targets.
 
 - training input equals inference input: the teacher-forced slot logits (Markov bias included)
   and confidence logits equal the drafted block's for the same previous tokens;
@@ -19,13 +19,14 @@ import torch
 from conftest import diverse, make_llama, make_qwen2, make_tokenizer
 from test_eagle_decode import chisquare_pvalue
 
-from eval import kv_cache
-from eval.block_proposer import BlockProposer
-from eval.generator import SpeculativeGenerator
-from eval.methods import make_proposer
-from eval.proposers import DecodeState
-from eval.tree import build_tree, chain_tree
-from eval.verify import GreedyVerifier, SpeculativeSampler, process_logits
+from eval.engine import kv_cache
+from eval.engine.block_proposer import BlockProposer
+from eval.engine.drafting import make_proposer
+from eval.engine.generator import SpeculativeGenerator
+from eval.engine.proposers import DecodeState
+from eval.engine.tree import build_tree, chain_tree
+from eval.engine.tree_spec import resolve_tree
+from eval.engine.verify import GreedyVerifier, SpeculativeSampler, process_logits
 from heads.dspark import DSparkConfig, DSparkHead, dspark_terms
 from heads.target import Target
 
@@ -89,7 +90,7 @@ def test_config_errors(tiny_llama):
     with pytest.raises(ValueError, match="drafts at most 3 tokens"):
         BlockProposer(head, chain_tree(4))
     with pytest.raises(ValueError, match="drafts a static tree only"):
-        make_proposer(head, "dynamic")
+        make_proposer(head, resolve_tree("dynamic"))
     proposer = BlockProposer(head, build_tree([[0], [1], [0, 0]]))
     with torch.no_grad(), pytest.raises(ValueError, match="use tree=chain"):
         proposer.propose(_state(tiny_llama, head))
@@ -260,7 +261,7 @@ def test_random_heads_are_lossless(target, greedy_future, reduced):
     head = real_head(target, reduced=reduced)
     want = greedy_future[PROMPT.shape[1] :][:NEW].tolist()
     for depth in (4, 2):
-        proposer = make_proposer(head, depth)
+        proposer = make_proposer(head, resolve_tree(depth))
         assert isinstance(proposer, BlockProposer)
         assert generate(target.model, proposer).new_tokens.tolist() == want
 
@@ -335,7 +336,7 @@ def test_the_confidence_cut_is_an_evaluation_setting(tmp_path):
     from hydra.utils import instantiate
     from test_bench import CONF, write_prompts
 
-    from eval.bench import run
+    from eval.bench.harness import run
     from heads.base import apply_runtime_settings
     from heads.target import load_target
 

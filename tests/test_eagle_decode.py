@@ -22,20 +22,20 @@ import torch.nn.functional as F
 from conftest import diverse, make_llama, make_qwen2
 from torch import nn
 
-from eval import kv_cache
-from eval.dynamic_tree import (
+from eval.engine import kv_cache
+from eval.engine.drafting import make_proposer
+from eval.engine.dynamic_tree import (
     Candidates,
     DynamicTreeConfig,
     grow_dynamic_tree,
     select_dynamic_tree,
 )
-from eval.eagle_proposer import EagleProposer, draft_tree_mask
-from eval.generator import SpeculativeGenerator
-from eval.methods import make_proposer
-from eval.proposers import DecodeState
-from eval.tree import build_tree, chain_tree
-from eval.tree_spec import TreeSpec, load_tree_spec, resolve_tree
-from eval.verify import GreedyVerifier, SpeculativeSampler, process_logits
+from eval.engine.eagle_proposer import EagleProposer, draft_tree_mask
+from eval.engine.generator import SpeculativeGenerator
+from eval.engine.proposers import DecodeState
+from eval.engine.tree import build_tree, chain_tree
+from eval.engine.tree_spec import TreeSpec, load_tree_spec, resolve_tree
+from eval.engine.verify import GreedyVerifier, SpeculativeSampler, process_logits
 from heads.draft_layer import DraftCache
 from heads.target import Target
 
@@ -336,7 +336,7 @@ def test_real_heads_are_lossless(target, greedy_future, method):
     head = real_head(target, method)
     want = greedy_future[PROMPT.shape[1] :][:NEW].tolist()
     for tree in (TREE, DYNAMIC):
-        proposer = make_proposer(head, tree)
+        proposer = make_proposer(head, resolve_tree(tree))
         assert isinstance(proposer, EagleProposer)
         assert proposer.feature_layers == head.feature_layers()
         assert generate(target.model, proposer).new_tokens.tolist() == want
@@ -472,7 +472,7 @@ def test_sampling_with_eagle_drafts_is_lossless(tree, draft_temperature, tempera
     torch.manual_seed(0)
     head = EagleHead.for_target(EagleConfig(), target).eval()
     shape = DynamicTreeConfig(depth=3, top_k=3, total_tokens=8) if tree == "dynamic" else TREE
-    proposer = make_proposer(head, shape)
+    proposer = make_proposer(head, resolve_tree(shape))
     if draft_temperature is not None:
         proposer = EagleProposer(
             head, build_tree(TREE), draft_temperature, generator=torch.Generator().manual_seed(5)
@@ -546,12 +546,12 @@ def test_tree_configs_and_make_proposer(target):
     with pytest.raises(ValueError, match="depth"):
         DynamicTreeConfig(depth=0)
     head = real_head(target, "eagle3")
-    assert isinstance(make_proposer(head, DYNAMIC).tree, DynamicTreeConfig)
+    assert isinstance(make_proposer(head, resolve_tree(DYNAMIC)).tree, DynamicTreeConfig)
     from heads.medusa import MedusaConfig, MedusaHeads
 
     medusa = MedusaHeads.for_target(MedusaConfig(num_heads=2), target)
     with pytest.raises(ValueError, match="static tree only"):
-        make_proposer(medusa, DYNAMIC)
+        make_proposer(medusa, resolve_tree(DYNAMIC))
     with pytest.raises(ValueError, match="static tree"):
         EagleProposer(head, DYNAMIC, draft_temperature=1.0)
     proposer = EagleProposer(head, DYNAMIC)
@@ -569,7 +569,7 @@ def test_evaluate_config_selects_the_dynamic_tree():
 
 
 def test_tau_evaluator_with_eagle_heads(tiny_llama, tmp_path):
-    from eval.hooks import TauEvaluator
+    from eval.engine.tau import TauEvaluator
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"turns": ["abc abc"]}) + "\n")
@@ -581,11 +581,11 @@ def test_tau_evaluator_with_eagle_heads(tiny_llama, tmp_path):
 
 @pytest.mark.integration
 def test_evaluate_runs_an_eagle3_head_on_a_dynamic_tree(tmp_path):
-    """evaluate.py's body (eval.bench.run) with `tree=dynamic` and a saved EAGLE-3 head."""
+    """evaluate.py's body (eval.bench.harness.run) with `tree=dynamic` and a saved EAGLE-3 head."""
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from eval.bench import run
+    from eval.bench.harness import run
     from heads.target import load_target
 
     prompts = tmp_path / "p.jsonl"

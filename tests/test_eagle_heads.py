@@ -176,8 +176,8 @@ def test_ttt_mask_properties():
 
 def test_ttt_unroll_equals_drafting_a_chain(tiny_llama):
     """TTT step i at row t equals drafting i levels below the prefix ending at t with the
-    decoding engine's cache layout and tree mask (eval/eagle_proposer.py)."""
-    from eval.eagle_proposer import draft_tree_mask
+    decoding engine's cache layout and tree mask (eval/engine/eagle_proposer.py)."""
+    from eval.engine.eagle_proposer import draft_tree_mask
 
     head = _eagle3(tiny_llama, ttt_steps=3).eval()
     batch = _batch(T=10, B=1)

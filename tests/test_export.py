@@ -1,4 +1,5 @@
-"""eval/export.py: export a run's head, prove the folder by a round trip, write the model card."""
+"""eval/publish/export.py: export a run's head, prove the folder by a round trip, write the
+model card."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import yaml
 from conftest import diverse
 
 import heads
-from eval.export import ExportCheckError, export_draft, export_run, find_head
+from eval.publish.export import ExportCheckError, export_draft, export_run, find_head
 from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.target import Target
@@ -175,7 +176,7 @@ def test_the_card_names_data_files_without_local_folders(target, tmp_path):
     import hashlib
 
     from data.paths import REPO_ROOT
-    from eval.model_card import render_model_card
+    from eval.publish.model_card import render_model_card
 
     outside = tmp_path / "private" / "chats.jsonl"
     outside.parent.mkdir()

@@ -11,10 +11,10 @@ import pytest
 import torch
 from conftest import diverse, make_llama, make_qwen2
 
-from eval.generator import SpeculativeGenerator, plain_greedy
-from eval.proposers import MedusaProposer
-from eval.tree import build_tree, chain_tree
-from eval.verify import GreedyVerifier, SpeculativeSampler, TypicalVerifier
+from eval.engine.generator import SpeculativeGenerator, plain_greedy
+from eval.engine.proposers import MedusaProposer
+from eval.engine.tree import build_tree, chain_tree
+from eval.engine.verify import GreedyVerifier, SpeculativeSampler, TypicalVerifier
 
 VOCAB, NUM_HEADS, NEW = 256, 4, 24
 TREE16 = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0]]

@@ -167,7 +167,7 @@ def test_evaluate_config_knob_allows_a_deliberate_transfer(tmp_path):
     from hydra.utils import instantiate
     from test_bench import CONF, write_prompts
 
-    from eval.bench import run
+    from eval.bench.harness import run
     from heads.target import load_target
 
     prompts = write_prompts(tmp_path / "p.jsonl")

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import heads
-from eval.methods import make_proposer
-from eval.model_card import render_model_card
-from eval.proposers import MedusaProposer
+from eval.engine.drafting import make_proposer
+from eval.engine.proposers import MedusaProposer
+from eval.engine.tree_spec import resolve_tree
+from eval.publish.model_card import render_model_card
 from heads import interop
 from heads.base import BlockDrafter, DraftHead, FeatureDrafter, ParallelDrafter
 from heads.eagle import EagleConfig, EagleHead
@@ -134,7 +135,7 @@ class WideMedusa(MedusaHeads):
 
 def test_a_new_method_needs_no_table_outside_heads(tiny_llama, tmp_path):
     head = WideMedusa.for_target(WideMedusaConfig(num_heads=2), tiny_llama)
-    proposer = make_proposer(head, [[0], [0, 0]])
+    proposer = make_proposer(head, resolve_tree([[0], [0, 0]]))
     assert isinstance(proposer, MedusaProposer)
     with torch.no_grad():
         draft = proposer.propose(_state(tiny_llama))
@@ -147,7 +148,7 @@ def test_a_new_method_needs_no_table_outside_heads(tiny_llama, tmp_path):
 
 
 def _state(target):
-    from eval.proposers import DecodeState
+    from eval.engine.proposers import DecodeState
 
     hidden = torch.zeros(1, target.hidden_size)
     return DecodeState(hidden, torch.tensor([5]), 3)
@@ -155,7 +156,7 @@ def _state(target):
 
 def test_eagle_heads_draft_dynamic_trees_and_medusa_heads_do_not(tiny_llama):
     eagle = EagleHead.for_target(EagleConfig(), tiny_llama)
-    assert make_proposer(eagle, "dynamic").tree.depth == 6
+    assert make_proposer(eagle, resolve_tree("dynamic")).tree.depth == 6
     medusa = MedusaHeads.for_target(MedusaConfig(num_heads=2), tiny_llama)
     with pytest.raises(ValueError, match="'medusa' head drafts a static tree only"):
-        make_proposer(medusa, "dynamic")
+        make_proposer(medusa, resolve_tree("dynamic"))

@@ -32,7 +32,7 @@ import huggingface_hub
 import huggingface_hub.constants as hf_constants
 import pytest
 
-from eval.hub import HubUploadError, push_folder
+from eval.publish.hub import HubUploadError, push_folder
 
 TOKEN = "hf_standinTOKEN0123456789abcdefXYZ"
 REPO = "someone/tiny-draft"
@@ -268,7 +268,8 @@ def test_token_never_logged_or_printed(hub, export_folder, monkeypatch, caplog, 
         push_folder(folder, REPO, endpoint=hub.base_url)
 
     names = {record.name for record in caplog.records}
-    assert "eval.hub" in names and any(n.startswith("huggingface_hub") for n in names), names
+    hub_logs = any(n.startswith("huggingface_hub") for n in names)
+    assert "eval.publish.hub" in names and hub_logs, names
     assert TOKEN not in caplog.text
     assert all(TOKEN not in record.getMessage() for record in caplog.records)
     out, err = capfd.readouterr()

@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import make_llama, make_qwen2
 
-from eval import kv_cache
-from eval.tree import build_tree
+from eval.engine import kv_cache
+from eval.engine.tree import build_tree
 
 PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [1, 0, 0]]
 

@@ -21,7 +21,8 @@ from hydra import compose, initialize_config_dir
 
 from data.engines import llama_cpp
 from data.engines.llama_cpp import EngineError, LlamaServer, ServerConfig
-from eval.bench import first_difference, top2_gaps
+from eval.bench.harness import top2_gaps
+from eval.engine.generator import first_difference
 from tests._stand_in_server import openai_stand_in
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -63,21 +64,23 @@ def test_config_refuses_bad_settings(tmp_path):
         ServerConfig(model=str(model), spec_type="draft-eagle3")
 
 
-def test_a_target_gguf_setting_names_the_own_file_a_conversion_or_a_path(monkeypatch):
-    """data.self_distill.gguf and evaluate's llama_cpp.target_gguf share one reading: unset or
-    "auto" is the target's own file, an outtype is its folder converted once, else a path."""
-    import heads.interop.gguf as gguf_mod
+def test_a_target_gguf_setting_names_the_own_file_a_conversion_or_a_path(tmp_path):
+    """data.self_distill.gguf, evaluate's llama_cpp.target_gguf and export's --target-outtype
+    share one reading (TargetGGUF.parse): unset or "auto" is the target's own file, an outtype
+    is its folder converted once, else a path."""
+    from heads.interop.gguf import TargetGGUF, gguf_for_target
+    from heads.target import TargetConfig, embedded_gguf
 
-    calls = []
-    monkeypatch.setattr(gguf_mod, "gguf_for_target",
-                        lambda cfg, outtype="f16", own=True: calls.append((outtype, own)) or
-                        Path(f"/cache/{outtype}-{own}.gguf"))  # fmt: skip
-    cfg = object()
-    assert gguf_mod.chosen_target_gguf(cfg, None) == Path("/cache/f16-True.gguf")
-    assert gguf_mod.chosen_target_gguf(cfg, "auto") == Path("/cache/f16-True.gguf")
-    assert gguf_mod.chosen_target_gguf(cfg, "bf16") == Path("/cache/bf16-False.gguf")
-    assert gguf_mod.chosen_target_gguf(cfg, "/m/t.gguf") == Path("/m/t.gguf")
-    assert calls == [("f16", True), ("f16", True), ("bf16", False)]
+    assert TargetGGUF.parse(None) == TargetGGUF.parse("auto") == TargetGGUF()
+    assert TargetGGUF().own and TargetGGUF.parse("bf16") == TargetGGUF(own=False, outtype="bf16")
+    assert TargetGGUF.parse("/m/t.gguf") == TargetGGUF(file=Path("/m/t.gguf"))
+    embedded = TargetConfig(name_or_path="smollm2_135m", cache_dir=str(tmp_path))
+    assert gguf_for_target(embedded, TargetGGUF.parse("/m/t.gguf")) == Path("/m/t.gguf")
+    assert gguf_for_target(embedded) == embedded_gguf("smollm2_135m")
+    folder = TargetConfig(name_or_path=str(tmp_path), gguf_file="own.gguf")
+    assert gguf_for_target(folder, TargetGGUF.parse("auto")) == tmp_path / "own.gguf"
+    with pytest.raises(FileNotFoundError, match="needs the target as GGUF"):
+        gguf_for_target(folder, TargetGGUF.parse("f32"))  # no config.json to convert
 
 
 def test_unloadable_model_quotes_the_server_log(tmp_path):
@@ -191,17 +194,17 @@ def _prompt_ids(target) -> list[list[int]]:
 
 
 def _hf_greedy(target, ids: list[int]) -> list[int]:
-    from eval.generator import plain_greedy
+    from eval.engine.generator import plain_greedy
 
     result = plain_greedy(target.model, torch.tensor([ids]), NEW_TOKENS)
     return result.new_tokens.tolist()
 
 
 def _harness_chain(target, head, ids: list[int]):
-    from eval.methods import head_method
-    from eval.tree import chain_paths
+    from eval.bench.methods import head_method
+    from eval.engine.tree_spec import resolve_tree
 
-    method = head_method(target, "head", head, chain_paths(CHAIN))
+    method = head_method(target, "head", head, resolve_tree(CHAIN))
     return method.generator.generate(torch.tensor([ids]), NEW_TOKENS)
 
 
@@ -436,7 +439,7 @@ def test_server_slots_do_not_wait_for_a_slow_conversation(tiny_llama, tmp_path):
 
 def test_accept_lengths_are_rebuilt_from_the_servers_counters():
     from data.engines.llama_cpp import Completion
-    from eval.llama_cpp_bench import accept_lengths
+    from eval.bench.llama_cpp import accept_lengths
 
     # 10 steps after the prefill token: 3 accepted 3, 2 accepted 1, 5 accepted nothing
     done = Completion(list(range(1 + 10 + 11)), "", "limit", {"draft_n_accepted": 11})
@@ -451,7 +454,7 @@ def test_accept_lengths_are_rebuilt_from_the_servers_counters():
 
 
 def test_best_draft_length_trades_acceptance_for_verify_cost():
-    from eval.llama_cpp_bench import best_draft_length
+    from eval.bench.llama_cpp import best_draft_length
 
     at_least = [0.6, 0.3, 0.1, 0.01]
     # cheap verification: drafting more pays until acceptance runs out
@@ -463,9 +466,9 @@ def test_best_draft_length_trades_acceptance_for_verify_cost():
 
 
 def test_benchmark_runs_llama_cpp_methods_beside_hf(tiny_setup, tmp_path):
-    from eval.bench import BenchConfig, BenchRun, run_benchmark
-    from eval.llama_cpp_bench import LlamaCppSettings, build_llama_cpp_methods
-    from eval.methods import build_methods
+    from eval.bench.harness import BenchConfig, BenchRun, run_benchmark
+    from eval.bench.llama_cpp import LlamaCppSettings, build_llama_cpp_methods
+    from eval.bench.methods import build_methods
 
     target, _, _, target_file, draft_file = tiny_setup
     prompts = tmp_path / "p.jsonl"
@@ -503,7 +506,7 @@ def test_benchmark_runs_llama_cpp_methods_beside_hf(tiny_setup, tmp_path):
 def test_gguf_export_of_a_run_is_proved_in_llama_cpp(tiny_setup, tmp_path):
     import importlib.util
 
-    from eval.gguf_export import export_gguf_run
+    from eval.publish.gguf_export import export_gguf_run
 
     _, _, _, target_file, _ = tiny_setup
     run_dir = Path(target_file).parent / "run"
@@ -653,8 +656,8 @@ def _chain_parity(target, head, target_file, draft_file, spec_type: str, chain: 
     """Greedy llama-server runs of the tiny target alone and with `draft_file`: the draft must
     not change llama.cpp's own output (beyond near ties of a batched verify), and llama.cpp must
     accept as many drafted tokens as our harness on the same chain. Returns the counts."""
-    from eval.methods import head_method
-    from eval.tree import chain_paths
+    from eval.bench.methods import head_method
+    from eval.engine.tree_spec import resolve_tree
 
     prompts = _prompt_ids(target)
     engine = {"cache_type": "f32", "flash_attn": "off"}
@@ -676,7 +679,7 @@ def _chain_parity(target, head, target_file, draft_file, spec_type: str, chain: 
             assert gap < NEAR_TIE * max(1.0, abs(top1)), (
                 f"llama.cpp {spec_type} draft changed the output at token {index}: top-2 gap {gap}"
             )
-    method = head_method(target, "head", head, chain_paths(chain))
+    method = head_method(target, "head", head, resolve_tree(chain))
     harness = [method.generator.generate(torch.tensor([ids]), NEW_TOKENS) for ids in prompts]
     h_acc = sum(r.new_tokens.numel() - 1 - len(r.accept_lengths) for r in harness)
     e_acc = sum(c.draft_accepted for c in spec)

@@ -127,10 +127,10 @@ def test_save_reload_adapts_a_fresh_target_identically(tmp_path):
 
 def test_greedy_decoding_with_the_adapted_target_is_lossless():
     """Speculative output equals HF generate of the *adapted* target (what Medusa-2 serves)."""
-    from eval.generator import SpeculativeGenerator
-    from eval.proposers import MedusaProposer
-    from eval.tree import build_tree
-    from eval.verify import GreedyVerifier
+    from eval.engine.generator import SpeculativeGenerator
+    from eval.engine.proposers import MedusaProposer
+    from eval.engine.tree import build_tree
+    from eval.engine.verify import GreedyVerifier
 
     torch.manual_seed(0)
     target = fresh()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eval.tree import (
+from eval.engine.tree import (
     Draft,
     build_tree,
     build_tree_from_parents,
@@ -15,7 +15,7 @@ from eval.tree import (
     chain_tree,
     expected_acceptance_paths,
 )
-from eval.tree_spec import TreeSpec, load_tree_spec
+from eval.engine.tree_spec import TreeSpec, load_tree_spec
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "tree"
 BRANCHED = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]
@@ -133,19 +133,21 @@ def test_shipped_trees_load(name, nodes):
     assert load_tree_spec(CONF / "chain.yaml") == TreeSpec.static(chain_paths(4))
 
 
-# ---- tree specs: one front door (eval/tree_spec.py) ----------------------------------------------
+# ---- tree specs: one front door (eval/engine/tree_spec.py) --------------------------------------
 
 
 def test_a_tree_spec_is_checked_once_where_it_enters(tiny_llama):
-    from eval import dynamic_tree, tree
-    from eval.methods import make_proposer
-    from eval.tree_spec import resolve_tree
+    from eval.engine import dynamic_tree, tree
+    from eval.engine.drafting import make_proposer
+    from eval.engine.tree_spec import resolve_tree
     from heads.medusa import MedusaConfig, MedusaHeads
 
     spec = resolve_tree("chain")
     assert resolve_tree(spec) is spec and spec.depth == 4 and spec.num_nodes == 5
     head = MedusaHeads.for_target(MedusaConfig(num_heads=4), tiny_llama)
     assert make_proposer(head, spec).tree is spec.buffers  # built once, not parsed again
+    with pytest.raises(TypeError, match="resolve the tree where it enters"):
+        make_proposer(head, "chain")  # past the edge only a TreeSpec is taken
     with pytest.raises(ValueError, match=r"tree path \[0, 0, 0\] has no parent"):
         resolve_tree([[0], [0, 0, 0]])  # refused at the edge, not when decoding starts
     with pytest.raises(ValueError, match="keys \\['depth', 'paths'\\]"):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from data.dataset import collate
-from eval.tree import build_tree, expected_acceptance_paths
-from eval.tree_fit import rank_accuracy
+from eval.engine.tree import build_tree, expected_acceptance_paths
+from eval.engine.tree_fit import rank_accuracy
 from heads.medusa import MedusaConfig, MedusaHeads
 
 

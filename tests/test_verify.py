@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from eval.tree import Draft, build_tree, chain_tree, root_only_draft
-from eval.verify import (
+from eval.engine.tree import Draft, build_tree, chain_tree, root_only_draft
+from eval.engine.verify import (
     GreedyVerifier,
     SpeculativeSampler,
     TypicalVerifier,

@@ -145,12 +145,12 @@ def _engine_gguf(data_cfg: DataConfig, model_cfg) -> None:
     """Self-distillation through llama.cpp needs the target as GGUF: `data.self_distill.gguf`
     unset means the target's own (the embedded one as shipped) or its folder converted once; an
     outtype (f32, f16, bf16, q8_0) converts its Hugging Face weights to that type once; a path
-    is used as given (heads.interop.gguf.chosen_target_gguf)."""
+    is used as given (heads.interop.gguf.TargetGGUF)."""
     sd = data_cfg.self_distill
     if sd.enabled and sd.backend == "llama_cpp":
-        from heads.interop.gguf import chosen_target_gguf
+        from heads.interop.gguf import TargetGGUF, gguf_for_target
 
-        sd.gguf = str(chosen_target_gguf(model_cfg, sd.gguf))
+        sd.gguf = str(gguf_for_target(model_cfg, TargetGGUF.parse(sd.gguf)))
 
 
 def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> TrainResult:

@@ -1,6 +1,6 @@
 """Checkpoint-time evaluation and best-head selection.
 
-An evaluator is any callable `(head, target) -> dict[str, float]` (e.g. eval.hooks.TauEvaluator,
+An evaluator is any callable `(head, target) -> dict[str, float]` (e.g. TauEvaluator (eval.engine),
 injected by the entry point through Hydra; train/ never imports eval/). It runs on the main
 process whenever the loop validates; its numbers are logged as `eval/<name>`. With
 `TrainerConfig.best_metric` set (e.g. "eval/tau" or "val/loss"), the head with the best value

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from data.engines.llama_cpp import GGUF_OUTTYPES, convert_to_gguf
@@ -152,16 +153,42 @@ def target_gguf(
     return convert_to_gguf(target_dir, out_file, outtype)
 
 
-def gguf_for_target(cfg, outtype: str = "f16", own: bool = True) -> Path:
-    """A GGUF of the target a TargetConfig names. own=True: the file it comes from when there
-    is one (the embedded SmolLM2's Q4_1 as shipped, a folder's `gguf_file`); otherwise (or
-    own=False, for a numerically faithful f32/f16 copy) its Hugging Face folder converted once
-    into `<cache_dir>/gguf/<name>-<outtype>.gguf`."""
+@dataclass(frozen=True)
+class TargetGGUF:
+    """Which GGUF of the target llama.cpp loads, read once from a setting (`parse`) and passed on.
+
+    own: the file the target comes from when it has one (the embedded SmolLM2's Q4_1 as shipped,
+         a folder's `gguf_file`), else its Hugging Face folder converted once to `outtype`.
+    not own: its Hugging Face folder converted once to `outtype` (numerically faithful copies).
+    file: a .gguf used as given (own and outtype then play no part).
+    """
+
+    own: bool = True
+    outtype: str = "f16"
+    file: Path | None = None
+
+    @classmethod
+    def parse(cls, choice: str | os.PathLike | None) -> TargetGGUF:
+        """A setting (data.self_distill.gguf, llama_cpp.target_gguf, --target-outtype): None, ""
+        or "auto", the target's own file; an outtype (f32, f16, bf16, q8_0), its folder converted
+        to that type; anything else, a .gguf path."""
+        if choice in (None, "", "auto"):
+            return cls()
+        if choice in GGUF_OUTTYPES:
+            return cls(own=False, outtype=str(choice))
+        return cls(file=Path(choice))
+
+
+def gguf_for_target(cfg, choice: TargetGGUF = TargetGGUF()) -> Path:
+    """The GGUF file `choice` names for the target a TargetConfig names, converting the target's
+    folder once into `<cache_dir>/gguf/<name>-<digest>-<outtype>.gguf` when it needs one."""
     from heads.target import EMBEDDED, embedded_gguf, resolve_source
 
-    if own and cfg.name_or_path in EMBEDDED:
+    if choice.file is not None:
+        return choice.file
+    if choice.own and cfg.name_or_path in EMBEDDED:
         return embedded_gguf(cfg.name_or_path)
-    if own and cfg.gguf_file:
+    if choice.own and cfg.gguf_file:
         return Path(cfg.name_or_path) / cfg.gguf_file
     source, _ = resolve_source(cfg)
     if not (Path(source) / "config.json").is_file():
@@ -174,18 +201,8 @@ def gguf_for_target(cfg, outtype: str = "f16", own: bool = True) -> Path:
         f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in sorted(folder.iterdir())
     ]
     digest = hashlib.sha1("|".join(stamp).encode()).hexdigest()[:10]
-    out = Path(cfg.cache_dir).expanduser() / "gguf" / f"{folder.name}-{digest}-{outtype}.gguf"
+    name = f"{folder.name}-{digest}-{choice.outtype}.gguf"
+    out = Path(cfg.cache_dir).expanduser() / "gguf" / name
     if not out.is_file():
-        target_gguf(source, out, outtype)
+        target_gguf(source, out, choice.outtype)
     return out
-
-
-def chosen_target_gguf(cfg, choice: str | None) -> Path:
-    """The target GGUF a setting names: None or "auto", the target's own (`gguf_for_target`);
-    an outtype (f32, f16, bf16, q8_0), its Hugging Face folder converted once to that type;
-    anything else, a .gguf path used as given."""
-    if choice in (None, "", "auto"):
-        return gguf_for_target(cfg)
-    if choice in GGUF_OUTTYPES:
-        return gguf_for_target(cfg, outtype=choice, own=False)
-    return Path(choice)

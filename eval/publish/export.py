@@ -6,7 +6,7 @@ model card `README.md` and, when a benchmark run is given, its plots. Before `ou
 folder is re-imported and decoded greedily on a few prompts next to the in-memory head: both must
 give the same tokens and the same accept length at every step (so the same tau), or the export
 fails and `out` is left as it was (heads.base.atomic_save_dir swaps the folder in at the end).
-`push=REPO` then uploads the folder (eval/hub.py).
+`push=REPO` then uploads the folder (eval/publish/hub.py).
 
 This step needs the harness (eval/), so it sits after eval rather than between train and eval
 as DESIGN.md drew it; `train.py` calls it at the end of a run when `export.formats` is set.
@@ -24,11 +24,11 @@ import torch
 import yaml
 
 from data.paths import resolve_path
-from eval.hooks import TauEvaluator
-from eval.model_card import render_model_card
+from eval.engine.tau import TauEvaluator
+from eval.publish.model_card import render_model_card
 from heads.base import atomic_save_dir
 from train.checkpoint import head_from_checkpoint, is_checkpoint
-from train.rundir import BEST_FILE, CONFIG_FILE, DATA_STATS, kept_head, load_target_config
+from train.rundir import BEST_FILE, CONFIG_FILE, DATA_STATS, kept_head, target_config
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def export_draft(
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists: choose another --out, or pass --overwrite.")
     context = run_context(run_dir)
-    target = target if target is not None else _load_target(head_dir, context)
+    target = target if target is not None else run_target(head_dir, context).target
     head = heads.from_pretrained(head_dir, target).eval()
     found: dict = {}
 
@@ -163,21 +163,23 @@ def export_draft(
     log.info("exported %s as %s to %s (round trip tau %.3f)", head_dir, fmt, out, check["tau_head"])
     result = ExportResult(out=out, format=fmt, config=config, check=check)
     if push:
-        from eval.hub import push_folder
+        from eval.publish.hub import push_folder
 
         result.url = push_folder(out, push, private=private)
     return result
 
 
-def _load_target(head_dir: Path, context: dict):
-    """The target the head was trained on: the run's model config, else the head's record."""
+def run_target(head_dir: Path, context: dict):
+    """The target the head was trained on, read once (a heads.target.RunTarget): the run's model
+    config, else the head's record (a Hub id of an embedded target loads the embedded copy)."""
     from heads.folder import read_head_config
+    from heads.target import RunTarget
 
     model = dict(context.get("config", {}).get("model") or {})
     if not model:
         name = read_head_config(head_dir)["target"].get("name_or_path")
         model = {"name_or_path": _embedded_alias(name)}
-    return load_target_config(model)
+    return RunTarget.load(target_config(model))
 
 
 def _embedded_alias(name: str | None) -> str:
@@ -199,7 +201,7 @@ def _reimport(folder: Path, fmt: str, target, head_dir: Path, context: dict):
     from heads import interop
 
     if fmt == "native":
-        fresh = _load_target(head_dir, context) if _adapts_target(head_dir) else target
+        fresh = run_target(head_dir, context).target if _adapts_target(head_dir) else target
         return heads.from_pretrained(folder, fresh).eval(), fresh
     return interop.import_draft(folder, target).eval(), target
 

@@ -1,10 +1,10 @@
 """Checkpoint-time evaluation: the acceptance length tau of a head while it trains.
 
 The training loop (train/) never imports eval/; the entry point builds a `TauEvaluator` (Hydra
-`_target_: eval.hooks.TauEvaluator`) and injects it. Calling it with the head and the target runs
-greedy speculative decoding on a few prompts (first turns, chat template applied) and returns
-{"tau", "tau_per_request"} with the benchmark's definitions (eval/report.py): tokens emitted by
-the decode forwards over the decode forwards, the prefill excluded.
+`_target_: eval.engine.tau.TauEvaluator`) and injects it. Calling it with the head and the target
+runs greedy speculative decoding on a few prompts (first turns, chat template applied) and
+returns {"tau", "tau_per_request"} with the benchmark's definitions (eval/bench/report.py):
+tokens emitted by the decode forwards over the decode forwards, the prefill excluded.
 """
 
 from __future__ import annotations
@@ -14,19 +14,19 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from data.generation import eos_token_ids
 from data.paths import resolve_path
-from eval.bench import encode_chat
-from eval.generator import SpeculativeGenerator
-from eval.methods import eos_token_ids, make_proposer
-from eval.tree_spec import resolve_tree
-from eval.verify import GreedyVerifier
+from eval.engine.drafting import make_proposer
+from eval.engine.generator import SpeculativeGenerator
+from eval.engine.tree_spec import resolve_tree
+from eval.engine.verify import GreedyVerifier
 
 
 class TauEvaluator:
     """`evaluator(head, target) -> {"tau": float, "tau_per_request": float}`.
 
     prompts_path: a prompt JSONL (data.read_prompts); the first `limit` questions' first turns.
-    tree: anything eval.tree_spec.resolve_tree takes: a conf/tree option name (`tree16`,
+    tree: anything eval.engine.tree_spec.resolve_tree takes: a conf/tree option name (`tree16`,
           `dynamic`) or *.yaml file, a list of paths (e.g. [[0], [0, 0]]), an int d for a chain
           of d top-1 tokens (e.g. `tree: ${head.num_heads}` in a Hydra config), or an EAGLE-2
           dynamic tree (a mapping {depth, top_k, total_tokens}; EAGLE and EAGLE-3 heads only).
@@ -56,9 +56,12 @@ class TauEvaluator:
         self._encoded: tuple[object, list[Tensor]] | None = None  # (tokenizer, prompts)
 
     def _prompts(self, tokenizer) -> list[Tensor]:
+        from data.chat import ChatEncoder
+
         if self._encoded is None or self._encoded[0] is not tokenizer:
+            encoder = ChatEncoder(tokenizer, self.chat_template)
             ids = [
-                encode_chat(tokenizer, [{"role": "user", "content": t}], self.chat_template)
+                torch.tensor([encoder.prompt([{"role": "user", "content": t}])], dtype=torch.long)
                 for t in self.turns
             ]
             self._encoded = (tokenizer, ids)

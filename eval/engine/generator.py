@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from eval import kv_cache
-from eval.proposers import DecodeState, Proposer
-from eval.tree import Draft, root_only_draft
-from eval.verify import GreedyVerifier, Verifier
+from eval.engine import kv_cache
+from eval.engine.proposers import DecodeState, Proposer
+from eval.engine.tree import Draft, root_only_draft
+from eval.engine.verify import GreedyVerifier, Verifier
 
 
 @dataclass
@@ -224,3 +224,11 @@ def plain_decode(
 def plain_greedy(model, input_ids: Tensor, max_new_tokens: int, **kwargs) -> GenerationResult:
     """Greedy plain decoding (see `plain_decode`)."""
     return plain_decode(model, input_ids, max_new_tokens, GreedyVerifier(), **kwargs)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (or the shorter length), None when equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))

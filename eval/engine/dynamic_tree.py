@@ -1,5 +1,6 @@
 """EAGLE-2 dynamic draft trees (Li et al., 2024, "EAGLE-2: Faster Inference of Language Models
-with Dynamic Draft Trees"). Which tree a config chooses (static or dynamic) is eval/tree_spec.py.
+with Dynamic Draft Trees"). Which tree a config chooses (static or dynamic) is
+eval/engine/tree_spec.py.
 
 A dynamic tree is grown from the draft's own confidence: the cumulative log-probability of a
 node is the sum of the draft's log-probabilities along its path. Growing (`grow_dynamic_tree`):

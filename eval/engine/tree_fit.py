@@ -1,7 +1,7 @@
 """Fit a static tree to a trained Medusa head (the way Medusa derived its sparse trees).
 
 Measure, on held-out data, how often head d's rank-r token is the right one (`rank_accuracy`);
-then keep the paths with the highest product of those estimates (eval.tree.
+then keep the paths with the highest product of those estimates (eval.engine.tree.
 expected_acceptance_paths), so a 16/32/64-node tree spends its nodes where this head is right.
 """
 

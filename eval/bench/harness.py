@@ -6,13 +6,13 @@ HF `generate`'s greedy answer, so every method sees token-identical prompts. Eac
 every request with the same `max_new_tokens` and torch threads; the methods take turns in a
 rotating order so that no method is always the first (or last) one to touch the caches.
 
-Methods (eval/methods.py): `plain` (the in-run baseline, same cache code), `hf_generate` and
+Methods (eval/bench/methods.py): `plain` (the in-run baseline, same cache code), `hf_generate` and
 `hf_prompt_lookup` (Hugging Face `generate`, greedy, without / with prompt lookup) and `head` (the
 draft head under test in `SpeculativeGenerator`). Every output is compared with `hf_generate`'s
 token for token.
 
 Outputs in the run dir: results.jsonl (one row per question x turn x method), summary.json and
-report.md with PNG plots (eval/report.py).
+report.md with PNG plots (eval/bench/report.py).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from data.paths import resolve_path
-from eval.llama_cpp_bench import LLAMA_CPP_METHODS, LlamaCppSettings, build_llama_cpp_methods
-from eval.methods import (
+from eval.bench.llama_cpp import LLAMA_CPP_METHODS, LlamaCppSettings, build_llama_cpp_methods
+from eval.bench.methods import (
     BASELINES,
     HFGenerateMethod,
     Method,
@@ -39,7 +39,8 @@ from eval.methods import (
     eos_token_ids,
     head_method,
 )
-from eval.tree_spec import resolve_tree
+from eval.engine.generator import first_difference
+from eval.engine.tree_spec import resolve_tree
 
 log = logging.getLogger(__name__)
 
@@ -150,14 +151,6 @@ def near_tie_threshold(top1: float, dtype: torch.dtype, fixed: float | None = No
     return max(FP32_TIE_FLOOR, rounding_step(top1, dtype))
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token (or the shorter length), None when equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 @dataclass
 class BenchRun:
     """What run_benchmark needs besides the target and the methods.
@@ -240,7 +233,7 @@ def run_benchmark(
 ) -> dict:
     """Run every method on every request of the bench; write results.jsonl, summary.json and
     report.md (+ PNGs) into out_dir. Returns the summary."""
-    from eval import report
+    from eval.bench import report
 
     setup = bench if isinstance(bench, BenchRun) else BenchRun(bench)
     methods = list(methods)
@@ -298,7 +291,7 @@ def run(cfg) -> dict:
     from omegaconf import OmegaConf
 
     import heads
-    from heads.target import load_target
+    from heads.target import RunTarget
     from train.checkpoint import head_from_checkpoint, is_checkpoint
 
     torch.manual_seed(cfg.seed)
@@ -306,7 +299,8 @@ def run(cfg) -> dict:
         torch.set_num_threads(int(cfg.threads))
     bench = instantiate(cfg.bench, _convert_="all")
     verifier = instantiate(cfg.verifier, _convert_="all")
-    target = load_target(instantiate(cfg.model, _convert_="all"))
+    run_target = RunTarget.load(instantiate(cfg.model, _convert_="all"))  # the one reading
+    target = run_target.target
     target.model.to(_device(cfg.get("device", "auto")))
     names = list(cfg.methods)
     head, meta = None, {"tree": _choice("tree"), "verifier": _choice("verifier")}
@@ -344,7 +338,7 @@ def run(cfg) -> dict:
     )
     if engine_names:
         out_dir = Path(cfg.get("out_dir") or _hydra_output_dir())
-        settings = llama_cpp_settings(cfg, head, target, out_dir)
+        settings = llama_cpp_settings(cfg, head, run_target, out_dir)
         methods += build_llama_cpp_methods(engine_names, settings)
         meta["llama_cpp"] = asdict(settings)
     extra = cfg.get("heads")
@@ -364,7 +358,7 @@ def run(cfg) -> dict:
             "tree_depth": head_tree.depth,
         }
     _check_adapted(target, loaded, meta)
-    setup = BenchRun(bench, cfg.model.get("chat_template"), cfg.near_tie_gap, meta)
+    setup = BenchRun(bench, run_target.config.chat_template, cfg.near_tie_gap, meta)
     out_dir = cfg.get("out_dir") or _hydra_output_dir()
     try:
         summary = run_benchmark(target, methods, setup, out_dir)
@@ -380,32 +374,26 @@ def run(cfg) -> dict:
     return summary
 
 
-def llama_cpp_settings(cfg, head, target, out_dir: Path) -> LlamaCppSettings:
-    """bench.llama_cpp resolved: the target GGUF ("auto": the target's own file; an outtype:
-    converted once) and the draft GGUF (exported from `head` when not given); a null
-    --spec-type is read from that file when the servers start (build_llama_cpp_methods)."""
+def llama_cpp_settings(cfg, head, run_target, out_dir: Path) -> LlamaCppSettings:
+    """bench.llama_cpp resolved: the target GGUF (heads.interop.gguf.TargetGGUF: "auto", the
+    target's own file; an outtype, converted once; a path) and the draft GGUF (exported from
+    `head` when not given); a null --spec-type is read from that file when the servers start
+    (build_llama_cpp_methods). `run_target`: the run's heads.target.RunTarget."""
     from omegaconf import OmegaConf
 
-    from heads.interop.gguf import chosen_target_gguf, export_gguf
-    from heads.target import resolve_source
+    from heads.interop.gguf import TargetGGUF, export_gguf, gguf_for_target
 
     doc = OmegaConf.to_container(cfg.llama_cpp, resolve=True)
     settings = LlamaCppSettings(**doc)
-    model_cfg = instantiate_model(cfg)
-    settings.target_gguf = str(chosen_target_gguf(model_cfg, settings.target_gguf))
+    choice = TargetGGUF.parse(settings.target_gguf)
+    settings.target_gguf = str(gguf_for_target(run_target.config, choice))
     if settings.draft_gguf is None and "llama_cpp_draft" in cfg.methods:
         if head is None:
             raise ValueError("llama_cpp_draft needs head_path (or llama_cpp.draft_gguf).")
-        source, _ = resolve_source(model_cfg)
         draft = out_dir / "draft-f32.gguf"
-        settings.draft_gguf = str(export_gguf(head, target, source, draft, "f32"))
+        gguf = export_gguf(head, run_target.target, run_target.source, draft, "f32")
+        settings.draft_gguf = str(gguf)
     return settings
-
-
-def instantiate_model(cfg):
-    from hydra.utils import instantiate
-
-    return instantiate(cfg.model, _convert_="all")
 
 
 def log_to_tracker(summary: dict, out_dir, logger_cfg, config: dict) -> None:

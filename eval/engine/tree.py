@@ -9,7 +9,7 @@ Static trees come from Medusa-style "choices": a path `[r1, r2, ..., rd]` names 
 by taking the r1-th best candidate at depth 1, then the r2-th best at depth 2, and so on (Cai et
 al., 2024). Dynamic trees (EAGLE-2) give arbitrary parent indices per step; both end up as the same
 `TreeBuffers` through `build_tree_from_parents`. Reading a tree from a config or a yaml file is
-eval/tree_spec.py.
+eval/engine/tree_spec.py.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class Draft:
     tokens:      [N] long, target-vocabulary ids; tokens[0] is the root (last accepted token).
     draft_probs: None when the children of each node were chosen deterministically (top-k);
                  else [N, V] with row i the distribution the children of node i were sampled from,
-                 in sibling order and without replacement (see eval/verify.py).
+                 in sibling order and without replacement (see eval/engine/verify.py).
     """
 
     tree: TreeBuffers

@@ -25,17 +25,13 @@ from pathlib import Path
 
 import torch
 
-from data.engines.llama_cpp import LlamaServer, ServerConfig
-from eval.bench import first_difference
-from eval.export import (
-    CHECK_PROMPTS,
-    ExportCheckError,
-    _embedded_alias,
-    _load_target,
-    find_head,
-    run_context,
-)
-from eval.tree_spec import resolve_tree
+from data.engines.llama_cpp import GGUF_OUTTYPES, LlamaServer, ServerConfig
+from data.generation import eos_token_ids
+from eval.engine.drafting import make_proposer
+from eval.engine.generator import SpeculativeGenerator, first_difference
+from eval.engine.tree_spec import resolve_tree
+from eval.engine.verify import GreedyVerifier
+from eval.publish.export import CHECK_PROMPTS, ExportCheckError, find_head, run_context, run_target
 from heads.base import atomic_save_dir
 
 log = logging.getLogger(__name__)
@@ -46,7 +42,7 @@ def _check_prompt_ids(target, prompts: int) -> list[list[int]]:
     from data.formats import read_prompts
 
     encoder = ChatEncoder(target.tokenizer)
-    rows = read_prompts(str(Path(__file__).resolve().parents[1] / CHECK_PROMPTS))[:prompts]
+    rows = read_prompts(str(Path(__file__).resolve().parents[2] / CHECK_PROMPTS))[:prompts]
     return [encoder.prompt([{"role": "user", "content": row["turns"][0]}]) for row in rows]
 
 
@@ -112,12 +108,12 @@ def harness_acceptance(head, target, prompts: list[list[int]], max_new_tokens: i
     """Accepted draft tokens of the same chain in draftsmith's harness (HF target), counted as
     llama.cpp counts them: within the token budget (new tokens - the prefill's - steps), so a
     last step whose draft ran past max_new_tokens is not credited beyond it."""
-    from eval.methods import head_method
-
-    method = head_method(target, "head", head, resolve_tree(chain))
+    proposer = make_proposer(head, resolve_tree(chain))
+    eos = eos_token_ids(target)
+    generator = SpeculativeGenerator(target.model, proposer, GreedyVerifier(), eos)
     accepted = tokens = steps = 0
     for ids in prompts:
-        result = method.generator.generate(torch.tensor([ids]), max_new_tokens)
+        result = generator.generate(torch.tensor([ids]), max_new_tokens)
         decoded = result.new_tokens.numel() - 1
         accepted += decoded - len(result.accept_lengths)
         steps += len(result.accept_lengths)
@@ -139,33 +135,31 @@ def export_gguf_run(
 ) -> dict:
     """Write the draft GGUF (and the target's when asked) into `out`, proved in llama.cpp."""
     import heads
-    from heads.interop.gguf import export_gguf, gguf_for_target, spec_type_for
-    from heads.target import resolve_source
-    from train.rundir import target_config
+    from heads.interop.gguf import TargetGGUF, export_gguf, gguf_for_target, spec_type_for
 
+    if target_outtype is not None and target_outtype not in GGUF_OUTTYPES:
+        raise ValueError(
+            f"--target-outtype {target_outtype}: use one of {', '.join(GGUF_OUTTYPES)}, or leave "
+            "it out for the target's own GGUF."
+        )
+    choice = TargetGGUF.parse(target_outtype)  # the target's own file, or converted once
     head_dir, run_dir = find_head(source)
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists: choose another --out, or pass --overwrite.")
     context = run_context(run_dir)
-    target = _load_target(head_dir, context)
+    run = run_target(head_dir, context)
+    target = run.target
     head = heads.from_pretrained(head_dir, target).eval()
     spec_type = spec_type_for(head)
-    # a head folder without its run dir records its target's Hub id: the embedded copy's alias
-    recorded = {"name_or_path": _embedded_alias(target.name_or_path)}
-    model = dict(context.get("config", {}).get("model") or recorded)
-    model_cfg = target_config(model)
-    target_dir, _ = resolve_source(model_cfg)
     found: dict = {}
 
     def write(folder: Path) -> None:
-        draft = export_gguf(head, target, target_dir, folder / f"draft-{outtype}.gguf", outtype)
-        if target_outtype:
-            tgt = gguf_for_target(model_cfg, outtype=target_outtype, own=False)
+        draft = export_gguf(head, target, run.source, folder / f"draft-{outtype}.gguf", outtype)
+        tgt_file = gguf_for_target(run.config, choice)
+        if target_outtype:  # a converted copy travels with the export
+            shutil.copyfile(tgt_file, folder / f"target-{target_outtype}.gguf")
             tgt_file = folder / f"target-{target_outtype}.gguf"
-            shutil.copyfile(tgt, tgt_file)
-        else:
-            tgt_file = gguf_for_target(model_cfg)
         prompts = _check_prompt_ids(target, check_prompts)
         faithful = target_outtype in ("f32",)
         proof = llama_cpp_proof(

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from eval.proposers import DecodeState, resume_cache
-from eval.tree import Draft, TreeBuffers, build_tree_from_parents
+from eval.engine.proposers import DecodeState, resume_cache
+from eval.engine.tree import Draft, TreeBuffers, build_tree_from_parents
 from heads.base import BlockDrafter
 
 

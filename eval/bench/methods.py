@@ -4,9 +4,8 @@
   baseline the speedups are measured against),
 - `HFGenerateMethod`: Hugging Face `generate`, greedy, optionally with prompt-lookup decoding
   (external baselines),
-- `SpeculativeMethod`: a draft head's proposer + a verifier in `SpeculativeGenerator`.
-The proposer is the one in `PROPOSERS` that drafts with the head class's `drafting` Protocol, so
-a new draft method that drafts like Medusa, EAGLE or DFlash needs nothing here.
+- `SpeculativeMethod`: a draft head's proposer (eval.engine.drafting) + a verifier in
+  `SpeculativeGenerator`.
 """
 
 from __future__ import annotations
@@ -20,17 +19,13 @@ import torch
 from torch import Tensor
 
 from data.generation import NEUTRAL_PROCESSORS, eos_token_ids
-from eval import kv_cache
-from eval.block_proposer import BlockProposer
-from eval.eagle_proposer import EagleProposer
-from eval.generator import GenerationResult, SpeculativeGenerator, plain_decode
-from eval.proposers import MedusaProposer, Proposer
-from eval.tree_spec import TreeSpec, resolve_tree
-from eval.verify import GreedyVerifier, Verifier
+from eval.engine import kv_cache
+from eval.engine.drafting import make_proposer
+from eval.engine.generator import GenerationResult, SpeculativeGenerator, plain_decode
+from eval.engine.tree_spec import TreeSpec
+from eval.engine.verify import GreedyVerifier, Verifier
 
 BASELINES = ("plain", "hf_generate", "hf_prompt_lookup")
-# Every proposer; a head drafts with the one whose `drafts` is its class's `drafting`.
-PROPOSERS: tuple[type, ...] = (MedusaProposer, EagleProposer, BlockProposer)
 
 
 @dataclass
@@ -175,43 +170,15 @@ class HFGenerateMethod:
         return Record(tokens, len(lengths), emitted[0], emitted[1:], seconds)
 
 
-def proposer_class(head) -> type:
-    """The proposer that drafts with `head`'s drafting Protocol (heads.base.DraftHead)."""
-    drafting = getattr(type(head), "drafting", None)
-    for proposer in PROPOSERS:
-        if proposer.drafts is drafting:
-            return proposer
-    raise ValueError(
-        f"no proposer drafts with a {type(head).__name__} (drafting={drafting!r}); give the head "
-        "class a `drafting` Protocol that a proposer in eval.methods.PROPOSERS serves."
-    )
-
-
-def make_proposer(head, tree) -> Proposer:
-    """The proposer for a draft head over `tree` (anything resolve_tree takes): static trees
-    for every head, EAGLE-2 dynamic trees where the proposer grows them."""
-    tree = resolve_tree(tree)
-    proposer = proposer_class(head)
-    if tree.dynamic is None:
-        return proposer(head, tree.buffers)
-    if not proposer.dynamic_trees:
-        raise ValueError(
-            f"a {head.method!r} head drafts a static tree only; pick tree paths (tree=tree16, "
-            "conf/tree/*.yaml) instead of a dynamic tree."
-        )
-    return proposer(head, tree.dynamic)
-
-
 def head_method(
     target,
     name: str,
     head,
-    tree,
+    tree: TreeSpec,
     verifier: Verifier | None = None,
     max_context: int | None = None,
 ) -> SpeculativeMethod:
-    """A draft head decoding over `tree` (anything resolve_tree takes)."""
-    tree = resolve_tree(tree)
+    """A draft head decoding over `tree` (resolved where it entered: resolve_tree)."""
     proposer = make_proposer(head, tree)
     generator = SpeculativeGenerator(
         target.model, proposer, verifier or GreedyVerifier(), eos_token_ids(target), max_context
@@ -230,7 +197,7 @@ def build_methods(
 ) -> list[Method]:
     """Methods by name: plain, hf_generate, hf_prompt_lookup, head (needs head + tree).
 
-    `tree`: anything resolve_tree takes (a TreeSpec, paths, a conf/tree name, ...).
+    `tree`: the TreeSpec of `head` (eval.engine.tree_spec.resolve_tree, where the tree enters).
     `verifier` (default greedy) decides the tokens of `plain` and `head`; the HF baselines are
     always greedy.
     """

@@ -14,7 +14,7 @@ x_{t+2}. Each step:
    is fed as a row at position `committed + d - 1` with its parent's output feature as input and
    a tree mask (the committed cache, its drafted ancestors, itself); its logits give its
    children. Static trees fill Medusa-style paths (rank r = the parent's r-th best token);
-   dynamic trees grow and rerank by cumulative log-prob (eval/dynamic_tree.py).
+   dynamic trees grow and rerank by cumulative log-prob (eval/engine/dynamic_tree.py).
 3. crop the draft cache back to the committed length.
 """
 
@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from eval.dynamic_tree import DynamicTreeConfig, grow_dynamic_tree, select_dynamic_tree
-from eval.proposers import DecodeState, resume_cache
-from eval.tree import Draft, TreeBuffers, build_tree_from_parents
+from eval.engine.dynamic_tree import DynamicTreeConfig, grow_dynamic_tree, select_dynamic_tree
+from eval.engine.proposers import DecodeState, resume_cache
+from eval.engine.tree import Draft, TreeBuffers, build_tree_from_parents
 from heads.base import FeatureDrafter
 from heads.draft_layer import DraftCache
 

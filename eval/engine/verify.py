@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from eval.tree import Draft
+from eval.engine.tree import Draft
 
 
 @dataclass(frozen=True)

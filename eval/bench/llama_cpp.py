@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from data.engines.llama_cpp import Completion, EngineError, LlamaServer, ServerConfig
-from eval.methods import Record
+from eval.bench.methods import Record
 from heads.interop.gguf import spec_type_of_gguf
 
 LLAMA_CPP_METHODS = ("llama_cpp_plain", "llama_cpp_draft", "llama_cpp_ngram")

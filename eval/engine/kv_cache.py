@@ -163,7 +163,8 @@ def keep_path(cache: DynamicCache, prefix_len: int, kept_indices: Tensor | list[
             if layer.keys.shape[-2] != total:
                 raise NotImplementedError(
                     "a cache layer holds fewer entries than the sequence (sliding window "
-                    "reached); keep the context below the window (eval.kv_cache.context_limit)."
+                    "reached); keep the context below the window "
+                    "(eval.engine.kv_cache.context_limit)."
                 )
             src = (prefix_len + kept).to(layer.keys.device)
             layer.keys[..., prefix_len : prefix_len + k, :] = layer.keys[..., src, :]

@@ -3,11 +3,12 @@
 A config names a tree in many ways: a conf/tree option (`tree16`, `dynamic`), a yaml file, a
 `{paths: [...]}` or `{depth, top_k, total_tokens}` mapping, a list of Medusa-style paths, or an
 int d (a chain of d top-1 tokens). `resolve_tree` turns any of them into a `TreeSpec` once, where
-the choice enters (evaluate.py's `tree` and `heads:` entries, TauEvaluator, the public functions
-of eval/methods.py); past that, code takes the TreeSpec and never parses again.
+the choice enters (evaluate.py's `tree` and `heads:` entries, TauEvaluator, the GGUF export's
+chain); past that, code takes the TreeSpec (make_proposer, head_method and build_methods accept
+nothing else) and never parses again.
 
-A TreeSpec is either static (paths, built once into TreeBuffers by eval/tree.py) or dynamic
-(EAGLE-2's DynamicTreeConfig; eval/dynamic_tree.py grows such a tree at every step).
+A TreeSpec is either static (paths, built once into TreeBuffers by eval/engine/tree.py) or dynamic
+(EAGLE-2's DynamicTreeConfig; eval/engine/dynamic_tree.py grows such a tree at every step).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from eval.dynamic_tree import DynamicTreeConfig
-from eval.tree import TreeBuffers, build_tree, chain_paths
+from eval.engine.dynamic_tree import DynamicTreeConfig
+from eval.engine.tree import TreeBuffers, build_tree, chain_paths
 
 DYNAMIC_KEYS = ("depth", "top_k", "total_tokens")
 

@@ -11,7 +11,7 @@ from typing import ClassVar, Protocol
 import torch
 from torch import Tensor
 
-from eval.tree import Draft, TreeBuffers
+from eval.engine.tree import Draft, TreeBuffers
 from heads.base import ParallelDrafter
 
 
@@ -70,7 +70,7 @@ class Proposer(Protocol):
 
     Class attributes say which heads it serves: `drafts`, the drafting Protocol of heads.base a
     head must declare as its `drafting`, and `dynamic_trees`, whether it takes an EAGLE-2
-    DynamicTreeConfig as well as static TreeBuffers (eval/methods.py reads both)."""
+    DynamicTreeConfig as well as static TreeBuffers (eval/bench/methods.py reads both)."""
 
     drafts: ClassVar[type]
     dynamic_trees: ClassVar[bool]
@@ -85,7 +85,7 @@ class MedusaProposer:
     token at depth k+1 of a tree whose root is x_{t+1}. A node at depth d with rank r takes the
     r-th most likely token of head d-1 (mapped to target ids by `heads.draft_to_target`). The
     children are chosen deterministically, so the draft carries no draft_probs (see
-    eval/verify.py: lossless sampling then treats each child as a point mass).
+    eval/engine/verify.py: lossless sampling then treats each child as a point mass).
     """
 
     drafts = ParallelDrafter

@@ -1,0 +1,1 @@
+"""The benchmark: every decoding method on the same prompts, in one run, timed alike."""

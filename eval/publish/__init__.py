@@ -1,0 +1,1 @@
+"""Publishing a draft: export to a serving format, prove the export, card it, upload it."""
