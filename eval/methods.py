@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from data.errors import ConfigError
 from data.generation import NEUTRAL_PROCESSORS, eos_token_ids
 from eval import kv_cache
 from eval.block_proposer import BlockProposer
@@ -29,6 +30,8 @@ from eval.tree_spec import TreeSpec, resolve_tree
 from eval.verify import GreedyVerifier, Verifier
 
 BASELINES = ("plain", "hf_generate", "hf_prompt_lookup")
+HEAD = "head"  # the method of evaluate.py's head_path
+METHODS = (*BASELINES, HEAD)  # every name build_methods takes
 # Every proposer; a head drafts with the one whose `drafts` is its class's `drafting`.
 PROPOSERS: tuple[type, ...] = (MedusaProposer, EagleProposer, BlockProposer)
 
@@ -189,17 +192,36 @@ def proposer_class(head) -> type:
 
 def make_proposer(head, tree) -> Proposer:
     """The proposer for a draft head over `tree` (anything resolve_tree takes): static trees
-    for every head, EAGLE-2 dynamic trees where the proposer grows them."""
+    for every head, EAGLE-2 dynamic trees where the proposer grows them. A tree the head cannot
+    draft is a ConfigError naming a tree it can."""
     tree = resolve_tree(tree)
     proposer = proposer_class(head)
-    if tree.dynamic is None:
-        return proposer(head, tree.buffers)
-    if not proposer.dynamic_trees:
-        raise ValueError(
-            f"a {head.method!r} head drafts a static tree only; pick tree paths (tree=tree16, "
-            "conf/tree/*.yaml) instead of a dynamic tree."
+    check_tree(head, tree, proposer)
+    return proposer(head, tree.buffers if tree.dynamic is None else tree.dynamic)
+
+
+def check_tree(head, tree: TreeSpec, proposer: type) -> None:
+    """Refuse a tree `head` cannot draft: a dynamic tree for a proposer that only fills static
+    ones, or a tree deeper than the head drafts in one step (heads.base.DraftHead)."""
+    limit = head.max_draft_depth
+    if tree.dynamic is not None and not proposer.dynamic_trees:
+        raise ConfigError(
+            f"a {head.method!r} head drafts a static tree only, not an EAGLE-2 dynamic tree; use "
+            f"{_static_trees(limit)}."
         )
-    return proposer(head, tree.dynamic)
+    if limit is not None and tree.depth > limit:
+        raise ConfigError(
+            f"the tree is {tree.depth} deep but a {head.method!r} head drafts at most {limit} "
+            f"tokens a step; use {_static_trees(limit)}."
+        )
+
+
+def _static_trees(limit: int | None) -> str:
+    """The static trees a head drafting at most `limit` tokens a step takes, for a message."""
+    usual = resolve_tree("tree16")  # conf/tree/tree16.yaml, evaluate.yaml's default
+    if limit is None or limit >= usual.depth:
+        return "tree=tree16 (or another conf/tree paths file, or tree=N for a chain of N)"
+    return f"a tree at most {limit} deep (tree={limit}: a chain of {limit})"
 
 
 def head_method(
@@ -245,12 +267,12 @@ def build_methods(
             methods.append(HFGenerateMethod(name, model, eos, pad))
         elif name == "hf_prompt_lookup":
             methods.append(HFGenerateMethod(name, model, eos, pad, prompt_lookup_num_tokens))
-        elif name == "head":
+        elif name == HEAD:
             if head is None or tree is None:
-                raise ValueError("method 'head' needs a trained head (head_path=...) and a tree.")
+                raise ConfigError("method 'head' needs a trained head (head_path=...) and a tree.")
             methods.append(head_method(target, name, head, tree, verifier, max_context))
         else:
-            raise ValueError(f"unknown method {name!r}: use {list(BASELINES) + ['head']}.")
+            raise ConfigError(f"unknown method {name!r}: use any of {', '.join(METHODS)}.")
     if len({m.name for m in methods}) != len(methods):
-        raise ValueError(f"methods {list(names)} name one method twice.")
+        raise ConfigError(f"methods={list(names)} names one method twice; list each once.")
     return methods
