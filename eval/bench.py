@@ -28,10 +28,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from data.errors import ConfigError
 from data.paths import resolve_path
 from eval.llama_cpp_bench import LLAMA_CPP_METHODS, LlamaCppSettings, build_llama_cpp_methods
 from eval.methods import (
-    BASELINES,
+    HEAD,
+    METHODS,
     HFGenerateMethod,
     Method,
     Record,
@@ -44,6 +46,7 @@ from eval.tree_spec import resolve_tree
 log = logging.getLogger(__name__)
 
 REFERENCE = "hf_generate"  # the greedy reference every output is compared with
+ALL_METHODS = (*METHODS, *LLAMA_CPP_METHODS)  # every name evaluate.py's `methods` takes
 
 
 @dataclass
@@ -301,6 +304,7 @@ def run(cfg) -> dict:
     from heads.target import load_target
     from train.checkpoint import head_from_checkpoint, is_checkpoint
 
+    names = check_methods(list(cfg.methods), bool(cfg.head_path) or bool(cfg.get("heads")))
     torch.manual_seed(cfg.seed)
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
@@ -308,7 +312,6 @@ def run(cfg) -> dict:
     verifier = instantiate(cfg.verifier, _convert_="all")
     target = load_target(instantiate(cfg.model, _convert_="all"))
     target.model.to(_device(cfg.get("device", "auto")))
-    names = list(cfg.methods)
     head, meta = None, {"tree": _choice("tree"), "verifier": _choice("verifier")}
     loaded: dict[str, object] = {}  # one copy of a head folder named by several entries
     allow_other = bool(cfg.get("allow_other_target", False))  # heads trained on another model
@@ -331,9 +334,9 @@ def run(cfg) -> dict:
 
             settings = OmegaConf.to_container(settings, resolve=True)
             meta["head_settings"] = apply_runtime_settings(head, settings)
-    elif "head" in names:
+    elif HEAD in names:
         log.warning("head_path is null: running the method 'head' is skipped (%s)", names)
-        names = [n for n in names if n != "head"]
+        names = [n for n in names if n != HEAD]
     tree = resolve_tree(OmegaConf.to_container(cfg.tree, resolve=True))  # paths, or dynamic
     meta |= {"tree_nodes": tree.num_nodes, "tree_depth": tree.depth}
     max_context = cfg.get("max_context")
@@ -380,12 +383,26 @@ def run(cfg) -> dict:
     return summary
 
 
+def check_methods(names: list[str], has_head: bool) -> list[str]:
+    """evaluate.py's `methods`, checked before anything loads (the message lists ALL_METHODS)."""
+    unknown = [n for n in names if n not in ALL_METHODS]
+    if unknown:
+        raise ConfigError(
+            f"methods={names}: unknown {', '.join(map(repr, unknown))}; use any of "
+            f"{', '.join(ALL_METHODS)} (e.g. methods=[plain,hf_generate,head])."
+        )
+    if set(names) <= {HEAD} and not has_head:
+        raise ConfigError(f"methods={names}: nothing to run without head_path; give head_path=DIR.")
+    return names
+
+
 def llama_cpp_settings(cfg, head, target, out_dir: Path) -> LlamaCppSettings:
     """bench.llama_cpp resolved: the target GGUF ("auto": the target's own file; an outtype:
     converted once) and the draft GGUF (exported from `head` when not given); a null
     --spec-type is read from that file when the servers start (build_llama_cpp_methods)."""
     from omegaconf import OmegaConf
 
+    from eval.llama_cpp_bench import check_draft_head
     from heads.interop.gguf import chosen_target_gguf, export_gguf
     from heads.target import resolve_source
 
@@ -394,8 +411,7 @@ def llama_cpp_settings(cfg, head, target, out_dir: Path) -> LlamaCppSettings:
     model_cfg = instantiate_model(cfg)
     settings.target_gguf = str(chosen_target_gguf(model_cfg, settings.target_gguf))
     if settings.draft_gguf is None and "llama_cpp_draft" in cfg.methods:
-        if head is None:
-            raise ValueError("llama_cpp_draft needs head_path (or llama_cpp.draft_gguf).")
+        check_draft_head(head)  # a head llama.cpp serves, before exporting it
         source, _ = resolve_source(model_cfg)
         draft = out_dir / "draft-f32.gguf"
         settings.draft_gguf = str(export_gguf(head, target, source, draft, "f32"))
@@ -436,7 +452,7 @@ def _check_adapted(target, loaded: dict, meta: dict) -> None:
     adapting = sorted(path for path, head in loaded.items() if type(head).adapts_target)
     meta["target_adapted"] = bool(adapting)
     if adapting and len(loaded) > 1:
-        raise ValueError(
+        raise ConfigError(
             f"heads {sorted(loaded)}: {adapting[0]} adapts the target (LoRA), which would "
             "change what every other head is verified against; benchmark it in a run of its own."
         )
@@ -444,17 +460,17 @@ def _check_adapted(target, loaded: dict, meta: dict) -> None:
 
 def _head_entry(name: str, entry, taken: set[str]) -> dict:
     """Check one `heads.NAME: {path, tree}` entry of evaluate.yaml."""
-    if name in taken or name in (*BASELINES, "head"):
-        raise ValueError(f"heads.{name}: the name is already a method of this run; rename it.")
+    if name in taken or name in ALL_METHODS:
+        raise ConfigError(f"heads.{name}: the name is already a method of this run; rename it.")
     if isinstance(entry, str):
         entry = {"path": entry}
     if not isinstance(entry, dict) or not entry.get("path"):
-        raise ValueError(
+        raise ConfigError(
             f"heads.{name}={entry!r}: give {{path: HEAD_DIR, tree: tree16|dynamic|...}}."
         )
     unknown = set(entry) - {"path", "tree"}
     if unknown:
-        raise ValueError(f"heads.{name}: unknown keys {sorted(unknown)}; use path and tree.")
+        raise ConfigError(f"heads.{name}: unknown keys {sorted(unknown)}; use path and tree.")
     return {"path": entry["path"], "tree": entry.get("tree", "tree16")}
 
 
