@@ -83,8 +83,7 @@ def report_user_errors(main: Callable[..., Any]) -> Callable[..., Any]:
             found = user_error(exc)
             if found is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
-            print(one_line(found), file=sys.stderr)
-            print("(set HYDRA_FULL_ERROR=1 to see the traceback)", file=sys.stderr)
+            print(one_line(found), file=sys.stderr)  # one line; HYDRA_FULL_ERROR=1: traceback
             sys.exit(EXIT_USER_ERROR)
 
     return wrapper

@@ -7,8 +7,8 @@ what to do.
 
 Comparing: each checkpoint records the run's settings and a sha1 of its data (run.json). On
 resume they are compared with this run's, setting by setting:
-  - free: logging, evaluation and checkpoint cadence, W&B, evaluators, the resume switches;
-    applied, listed in the log;
+  - free: logging, evaluation and checkpoint cadence, W&B, evaluators, evaluate.py's tree, the
+    resume switches; applied, listed in the log;
   - stretched: `max_steps`, `num_epochs`, `mixed_precision`; applied with a warning (the cosine
     schedule is re-spread over the new length);
   - never: `head.*`, `model.*`: another head or target is another run; always refused;
@@ -41,6 +41,7 @@ FREE = (
     "callbacks",
     "evaluators",
     "export",
+    "tree",  # the tree evaluate.py drafts with (an experiment names one); training ignores it
     "threads",
     "seed",  # the top-level seed only initialises the head; trainer.seed orders the data
     "init_from",

@@ -28,10 +28,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from data.errors import ConfigError
 from data.paths import resolve_path
 from eval.bench.llama_cpp import LLAMA_CPP_METHODS, LlamaCppSettings, build_llama_cpp_methods
 from eval.bench.methods import (
-    BASELINES,
+    HEAD,
+    METHODS,
     HFGenerateMethod,
     Method,
     Record,
@@ -45,6 +47,7 @@ from eval.engine.tree_spec import resolve_tree
 log = logging.getLogger(__name__)
 
 REFERENCE = "hf_generate"  # the greedy reference every output is compared with
+ALL_METHODS = (*METHODS, *LLAMA_CPP_METHODS)  # every name evaluate.py's `methods` takes
 
 
 @dataclass
@@ -294,6 +297,7 @@ def run(cfg) -> dict:
     from heads.target import RunTarget
     from train.checkpoint import head_from_checkpoint, is_checkpoint
 
+    names = check_methods(list(cfg.methods), bool(cfg.head_path) or bool(cfg.get("heads")))
     torch.manual_seed(cfg.seed)
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
@@ -302,7 +306,6 @@ def run(cfg) -> dict:
     run_target = RunTarget.load(instantiate(cfg.model, _convert_="all"))  # the one reading
     target = run_target.target
     target.model.to(_device(cfg.get("device", "auto")))
-    names = list(cfg.methods)
     head, meta = None, {"tree": _choice("tree"), "verifier": _choice("verifier")}
     loaded: dict[str, object] = {}  # one copy of a head folder named by several entries
     allow_other = bool(cfg.get("allow_other_target", False))  # heads trained on another model
@@ -325,9 +328,9 @@ def run(cfg) -> dict:
 
             settings = OmegaConf.to_container(settings, resolve=True)
             meta["head_settings"] = apply_runtime_settings(head, settings)
-    elif "head" in names:
+    elif HEAD in names:
         log.warning("head_path is null: running the method 'head' is skipped (%s)", names)
-        names = [n for n in names if n != "head"]
+        names = [n for n in names if n != HEAD]
     tree = resolve_tree(OmegaConf.to_container(cfg.tree, resolve=True))  # paths, or dynamic
     meta |= {"tree_nodes": tree.num_nodes, "tree_depth": tree.depth}
     max_context = cfg.get("max_context")
@@ -374,6 +377,19 @@ def run(cfg) -> dict:
     return summary
 
 
+def check_methods(names: list[str], has_head: bool) -> list[str]:
+    """evaluate.py's `methods`, checked before anything loads (the message lists ALL_METHODS)."""
+    unknown = [n for n in names if n not in ALL_METHODS]
+    if unknown:
+        raise ConfigError(
+            f"methods={names}: unknown {', '.join(map(repr, unknown))}; use any of "
+            f"{', '.join(ALL_METHODS)} (e.g. methods=[plain,hf_generate,head])."
+        )
+    if set(names) <= {HEAD} and not has_head:
+        raise ConfigError(f"methods={names}: nothing to run without head_path; give head_path=DIR.")
+    return names
+
+
 def llama_cpp_settings(cfg, head, run_target, out_dir: Path) -> LlamaCppSettings:
     """bench.llama_cpp resolved: the target GGUF (heads.interop.gguf.TargetGGUF: "auto", the
     target's own file; an outtype, converted once; a path) and the draft GGUF (exported from
@@ -381,6 +397,7 @@ def llama_cpp_settings(cfg, head, run_target, out_dir: Path) -> LlamaCppSettings
     (build_llama_cpp_methods). `run_target`: the run's heads.target.RunTarget."""
     from omegaconf import OmegaConf
 
+    from eval.bench.llama_cpp import check_draft_head
     from heads.interop.gguf import TargetGGUF, export_gguf, gguf_for_target
 
     doc = OmegaConf.to_container(cfg.llama_cpp, resolve=True)
@@ -389,7 +406,10 @@ def llama_cpp_settings(cfg, head, run_target, out_dir: Path) -> LlamaCppSettings
     settings.target_gguf = str(gguf_for_target(run_target.config, choice))
     if settings.draft_gguf is None and "llama_cpp_draft" in cfg.methods:
         if head is None:
-            raise ValueError("llama_cpp_draft needs head_path (or llama_cpp.draft_gguf).")
+            raise ConfigError(
+                "llama_cpp_draft needs head_path (or llama_cpp.draft_gguf): give head_path=DIR."
+            )
+        check_draft_head(head)  # a head llama.cpp serves, before exporting it
         draft = out_dir / "draft-f32.gguf"
         gguf = export_gguf(head, run_target.target, run_target.source, draft, "f32")
         settings.draft_gguf = str(gguf)
@@ -424,7 +444,7 @@ def _check_adapted(target, loaded: dict, meta: dict) -> None:
     adapting = sorted(path for path, head in loaded.items() if type(head).adapts_target)
     meta["target_adapted"] = bool(adapting)
     if adapting and len(loaded) > 1:
-        raise ValueError(
+        raise ConfigError(
             f"heads {sorted(loaded)}: {adapting[0]} adapts the target (LoRA), which would "
             "change what every other head is verified against; benchmark it in a run of its own."
         )
@@ -432,17 +452,17 @@ def _check_adapted(target, loaded: dict, meta: dict) -> None:
 
 def _head_entry(name: str, entry, taken: set[str]) -> dict:
     """Check one `heads.NAME: {path, tree}` entry of evaluate.yaml."""
-    if name in taken or name in (*BASELINES, "head"):
-        raise ValueError(f"heads.{name}: the name is already a method of this run; rename it.")
+    if name in taken or name in ALL_METHODS:
+        raise ConfigError(f"heads.{name}: the name is already a method of this run; rename it.")
     if isinstance(entry, str):
         entry = {"path": entry}
     if not isinstance(entry, dict) or not entry.get("path"):
-        raise ValueError(
+        raise ConfigError(
             f"heads.{name}={entry!r}: give {{path: HEAD_DIR, tree: tree16|dynamic|...}}."
         )
     unknown = set(entry) - {"path", "tree"}
     if unknown:
-        raise ValueError(f"heads.{name}: unknown keys {sorted(unknown)}; use path and tree.")
+        raise ConfigError(f"heads.{name}: unknown keys {sorted(unknown)}; use path and tree.")
     return {"path": entry["path"], "tree": entry.get("tree", "tree16")}
 
 

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from data.engines.llama_cpp import Completion, EngineError, LlamaServer, ServerConfig
+from data.errors import ConfigError
 from eval.bench.methods import Record
-from heads.interop.gguf import spec_type_of_gguf
+from heads.interop.gguf import gguf_source_format, spec_type_of_gguf
 
 LLAMA_CPP_METHODS = ("llama_cpp_plain", "llama_cpp_draft", "llama_cpp_ngram")
 _ACC_PER_POS = re.compile(r"acc per pos = \(([^)]*)\)")
@@ -45,6 +46,20 @@ class LlamaCppSettings:
     ctx_size: int = 4096
     cache_type: str = "f16"  # f32 with flash_attn=off: token-faithful runs (see ServerConfig)
     flash_attn: str = "auto"
+
+
+def check_draft_head(head) -> None:
+    """llama_cpp_draft exports head_path's head as a GGUF draft: refuse, before any conversion,
+    a missing head or one llama.cpp cannot serve."""
+    if head is None:
+        raise ConfigError("llama_cpp_draft needs head_path=DIR (or llama_cpp.draft_gguf=FILE).")
+    try:
+        gguf_source_format(head)
+    except ValueError as err:
+        raise ConfigError(
+            f"methods: llama_cpp_draft cannot serve a {head.method!r} head ({err}); drop "
+            "llama_cpp_draft from methods, or give llama_cpp.draft_gguf=FILE."
+        ) from err
 
 
 def accept_lengths(completion: Completion, log_chunk: str, n_max: int) -> list[int]:

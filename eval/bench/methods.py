@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from data.errors import ConfigError
 from data.generation import NEUTRAL_PROCESSORS, eos_token_ids
 from eval.engine import kv_cache
 from eval.engine.drafting import make_proposer
@@ -26,6 +27,8 @@ from eval.engine.tree_spec import TreeSpec
 from eval.engine.verify import GreedyVerifier, Verifier
 
 BASELINES = ("plain", "hf_generate", "hf_prompt_lookup")
+HEAD = "head"  # the method of evaluate.py's head_path
+METHODS = (*BASELINES, HEAD)  # every name build_methods takes
 
 
 @dataclass
@@ -212,12 +215,12 @@ def build_methods(
             methods.append(HFGenerateMethod(name, model, eos, pad))
         elif name == "hf_prompt_lookup":
             methods.append(HFGenerateMethod(name, model, eos, pad, prompt_lookup_num_tokens))
-        elif name == "head":
+        elif name == HEAD:
             if head is None or tree is None:
-                raise ValueError("method 'head' needs a trained head (head_path=...) and a tree.")
+                raise ConfigError("method 'head' needs a trained head (head_path=...) and a tree.")
             methods.append(head_method(target, name, head, tree, verifier, max_context))
         else:
-            raise ValueError(f"unknown method {name!r}: use {list(BASELINES) + ['head']}.")
+            raise ConfigError(f"unknown method {name!r}: use any of {', '.join(METHODS)}.")
     if len({m.name for m in methods}) != len(methods):
-        raise ValueError(f"methods {list(names)} name one method twice.")
+        raise ConfigError(f"methods={list(names)} names one method twice; list each once.")
     return methods

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from data.errors import ConfigError
 from eval.engine.proposers import DecodeState, resume_cache
 from eval.engine.tree import Draft, TreeBuffers, build_tree_from_parents
 from heads.base import BlockDrafter
@@ -49,15 +50,15 @@ class BlockProposer:
         generator: torch.Generator | None = None,
     ):
         if not isinstance(tree, TreeBuffers):
-            raise ValueError(
+            raise ConfigError(
                 f"a {head.method!r} head drafts static trees only (a chain, or tree paths); "
                 "pick tree=chain or a conf/tree file."
             )
-        if tree.max_depth > head.max_draft_depth:
-            raise ValueError(
+        limit = head.max_draft_depth
+        if tree.max_depth > limit:
+            raise ConfigError(
                 f"the tree is {tree.max_depth} deep but a block of {head.block_size} drafts at "
-                f"most {head.max_draft_depth} tokens; use a shallower tree or a larger "
-                "head.block_size."
+                f"most {limit} tokens; use a tree at most {limit} deep (tree={limit}: a chain)."
             )
         if draft_temperature is not None and draft_temperature <= 0:
             raise ValueError(f"draft_temperature={draft_temperature}: use > 0, or None.")
@@ -69,6 +70,11 @@ class BlockProposer:
         self._rank = tree.rank.tolist()
         self._depth = tree.depth.tolist()
         self._kids = [tree.children(i) for i in range(tree.num_nodes)]
+        if getattr(head, "draft_chain", None) is not None and any(len(k) > 1 for k in self._kids):
+            raise ConfigError(
+                f"a {head.method!r} head drafts a chain (each token conditions the next), not a "
+                f"tree with branches; use tree={limit} (a chain of {limit}) or a shorter chain."
+            )
         self.width = int(tree.rank.max()) + 1
         self.cache = None
         self.last_logits: Tensor | None = None  # (B-1, D) of the last step, for inspection
@@ -129,12 +135,8 @@ class BlockProposer:
         return Draft(self.tree, tokens, probs.to(tokens.device))
 
     def _chain(self, chain, root: Tensor, position: Tensor) -> Draft:
-        """A chain drafted token by token from one block forward (`head.draft_chain`)."""
-        if any(len(k) > 1 for k in self._kids):
-            raise ValueError(
-                f"a {self.head.method!r} head drafts a chain (each token conditions the next); "
-                "use tree=chain."
-            )
+        """A chain drafted token by token from one block forward (`head.draft_chain`; the
+        constructor refused trees with branches)."""
         tokens, probs = chain(
             root, position, self.cache, self.tree.max_depth, self.draft_temperature, self.generator
         )  # tokens (L,) target ids, probs (L, V) or None; L <= depth (a confidence cut)
