@@ -31,9 +31,8 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +42,7 @@ import torch
 from data.chat import ChatEncoder
 from data.engines.server_generation import ServerBackendConfig, ServerGenerator
 from data.formats import DataFormatError, read_prompts
-from data.json_files import iter_jsonl
+from data.parts import append_rows, merge_parts, part_files, part_path, read_rows, repair_tail
 from data.paths import atomic_write, resolve_path
 from data.synthesize import SynthesisSpec, sample_user_turns, synthesis_spec, synthesize
 
@@ -243,10 +242,6 @@ def work_items(
 # ---- files -----------------------------------------------------------------------------------
 
 
-def part_path(out: Path, rank: int) -> Path:
-    return out.with_name(f"{out.name}.rank{rank}.jsonl")
-
-
 def skipped_path(out: Path) -> Path:
     return out.with_name(f"{out.name}.skipped.jsonl")
 
@@ -255,39 +250,8 @@ def meta_path(out: Path) -> Path:
     return out.with_name(f"{out.name}.meta.json")
 
 
-def part_files(out: Path) -> list[Path]:
-    """Every rank's part file beside OUT (from runs of any process count)."""
-    return sorted(out.parent.glob(f"{out.name}.rank*.jsonl"))
-
-
 def _files(out: Path) -> list[Path]:
     return [p for p in (out, *part_files(out), skipped_path(out)) if p.is_file()]
-
-
-def repair_tail(path: Path) -> int:
-    """Cut a half-written last line (a run killed mid-write); returns the bytes removed."""
-    if not path.is_file():
-        return 0
-    data = path.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if end == len(data):
-        return 0
-    with open(path, "r+b") as f:
-        f.truncate(end)
-    log.warning("%s: removed a half-written last line (%d bytes)", path, len(data) - end)
-    return len(data) - end
-
-
-def read_rows(path: Path) -> Iterator[dict]:
-    """The rows of an output, part or skipped file, read as data files are (data/json_files.py)."""
-    try:
-        for _, row in iter_jsonl(str(path)):
-            yield row
-    except DataFormatError as err:
-        raise DataFormatError(
-            f"{err} (self-distillation wrote this file: remove that line and run again to "
-            "regenerate it)"
-        ) from None
 
 
 def done_keys(out: Path) -> set[str]:
@@ -296,30 +260,6 @@ def done_keys(out: Path) -> set[str]:
     for path in _files(out):
         keys.update(row["id"] for row in read_rows(path))
     return keys
-
-
-def _append(path: Path, rows: Sequence[dict]) -> None:
-    if not rows:
-        return
-    with open(path, "a", encoding="utf-8") as f:
-        f.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def merge_parts(out: Path) -> int:
-    """Move the per-rank part files' rows into OUT (each key once); returns rows moved."""
-    repair_tail(out)
-    have = {row["id"] for row in read_rows(out)} if out.is_file() else set()
-    moved = 0
-    for part in part_files(out):
-        repair_tail(part)
-        rows = [row for row in read_rows(part) if row["id"] not in have]
-        _append(out, rows)
-        have.update(row["id"] for row in rows)
-        moved += len(rows)
-        part.unlink()
-    return moved
 
 
 def check_meta(out: Path, meta: dict) -> None:
@@ -535,8 +475,8 @@ def _generate_all(gen, todo, cfg: DistillConfig, meta: dict, paths, stats: dict,
     else:
         results = _stream_each(gen, todo, cfg, meta)
     for rows, skipped, tokens, count in results:
-        _append(mine_path, rows)
-        _append(skipped_file, skipped)
+        append_rows(mine_path, rows)
+        append_rows(skipped_file, skipped)
         stats["rows"] += len(rows)
         stats["skipped"] += len(skipped)
         stats["new_tokens"] += tokens

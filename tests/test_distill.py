@@ -11,7 +11,8 @@ import torch
 
 from data import normalize_row
 from data.chat import ChatEncoder
-from data.distill import DistillConfig, _Generator, distill, done_keys, repair_tail
+from data.distill import DistillConfig, _Generator, distill, done_keys
+from data.parts import repair_tail
 from data.row_checks import RowSkipped
 from eval.generator import plain_greedy
 
