@@ -292,10 +292,10 @@ def test_data_config_takes_a_synthesis_entry():
 def test_writer_target_is_not_degenerate(writer):
     """The fixture's guard: its sampled turns are printable text that usually ends."""
     from data.chat import ChatEncoder
-    from data.distill import _Generator
+    from data.engines.hf_generation import HFGenerator
 
     cfg = DistillConfig(prompts=["x"], out="o.jsonl", max_new_tokens=40, batch_size=8)
-    gen = _Generator(writer, cfg, ChatEncoder(writer.tokenizer), [3])
+    gen = HFGenerator(writer, cfg, ChatEncoder(writer.tokenizer), [3])
     prefix = ChatEncoder(writer.tokenizer).user_prefix([])
     torch.manual_seed(0)
     answers = gen.generate([prefix] * 8, 0, temperature=1.0, top_p=1.0)

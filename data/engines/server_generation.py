@@ -48,7 +48,7 @@ class ServerBackendConfig:
 
 
 class ServerGenerator:
-    """The server counterpart of data.distill's HF generator: `generate(prompts, seed)` gives
+    """The server counterpart of data/engines/hf_generation.py's HFGenerator: `generate(prompts, seed)` gives
     (answer ids without EOS, "eos" | "length") per prompt. A context manager: llama_cpp starts
     its server on enter and stops it on exit."""
 
