@@ -26,6 +26,7 @@ from eval.methods import make_proposer
 from eval.proposers import DecodeState
 from eval.tree import build_tree, chain_tree
 from eval.verify import GreedyVerifier, SpeculativeSampler, process_logits
+from heads.block_training import position_weights
 from heads.dspark import DSparkConfig, DSparkHead, dspark_terms
 from heads.target import Target
 
@@ -187,7 +188,7 @@ def test_loss_terms_on_a_hand_computed_case():
 def test_slot_weights_decay_from_the_first_drafted_token(target):
     head = real_head(target, block_size=4)
     ok = torch.tensor([[[True, True, True, False]]])
-    w = head.position_weights(torch.zeros(ok.shape), ok, 0)
+    w = position_weights(torch.zeros(ok.shape), ok, 0, head.config)
     torch.testing.assert_close(w, torch.tensor([[[1.0, math.exp(-0.25), math.exp(-0.5), 0.0]]]))
 
 

@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from heads.base import CONFIG_NAME, HeadMismatchError, TargetInfo
-from heads.dflash import DFlashConfig, DFlashHead, build_target_layer_ids
+from heads.dflash import DFlashConfig, DFlashHead
+from heads.dflash_target import build_target_layer_ids
 from heads.draft_layer import LayerSpec
 from heads.dspark import DSparkConfig, DSparkHead
 from heads.folder import HeadFolderError
