@@ -91,7 +91,7 @@ def force_fsdp_on_cpu() -> None:
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
-    make_accelerator = loop_module._make_accelerator
+    make_accelerator = loop_module.make_accelerator
 
     def make(cfg):
         state = PartialState(cpu=True)
@@ -102,7 +102,7 @@ def force_fsdp_on_cpu() -> None:
         assert acc.distributed_type == DistributedType.FSDP and acc.device.type == "cpu"
         return acc
 
-    loop_module._make_accelerator = make
+    loop_module.make_accelerator = make
 
 
 def train_once(args, rank: int, run_dir: Path, current: dict, stop_at: int = 0) -> None:
