@@ -22,6 +22,9 @@ what resume counts on:
 
 The settings and the target's fingerprint live in `OUT.meta.json`; a restart with other settings
 or another target is refused (mixing them would silently blend two datasets).
+
+Here: the settings and the run. The work items and a batch's turns are data/distill_work.py, the
+part files data/parts.py, the backends data/engines/ (hf_generation.py, server_generation.py).
 """
 
 from __future__ import annotations
@@ -31,21 +34,18 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import time
-from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from data.chat import ChatEncoder
+from data.distill_work import WorkItem, run_batch, synthesis_specs, work_items
+from data.engines.hf_generation import HFGenerator
 from data.engines.server_generation import ServerBackendConfig, ServerGenerator
-from data.formats import DataFormatError, read_prompts
-from data.json_files import iter_jsonl
+from data.parts import append_rows, merge_parts, part_files, part_path, read_rows, repair_tail
 from data.paths import atomic_write, resolve_path
-from data.synthesize import SynthesisSpec, sample_user_turns, synthesis_spec, synthesize
+from data.synthesize import synthesis_spec, synthesize
 
 log = logging.getLogger(__name__)
 GENERATION_DTYPES = ("float32", "bfloat16", "float16")  # distill.dtype (the hf backend)
@@ -172,79 +172,7 @@ def _prompt_spec(entry) -> dict:
     }
 
 
-@dataclass
-class WorkItem:
-    """One conversation to write. A None turn is a user turn the target writes itself (a
-    synthesised follow-up, sampled as `synth` says); `system` opens the conversation."""
-
-    key: str
-    source: str
-    prompt_id: str
-    sample: int
-    turns: list[str | None]
-    system: str | None = None
-    synth: SynthesisSpec | None = None
-
-
-def synthesis_specs(cfg: DistillConfig) -> list[SynthesisSpec]:
-    return [SynthesisSpec(**p["synthesize"]) for p in cfg.prompts if "synthesize" in p]
-
-
-def work_items(
-    cfg: DistillConfig, synthesized: dict[str, list[dict]] | None = None
-) -> list[WorkItem]:
-    """Every (prompt, sample) of every source, in a fixed order. synthesized: the accepted
-    prompts of each synthesis entry by name (data.synthesize.synthesize)."""
-    items, seen = [], set()
-    for spec in cfg.prompts:
-        if "synthesize" in spec:
-            synth = SynthesisSpec(**spec["synthesize"])
-            if synth.name in seen:
-                raise DataFormatError(
-                    f"two prompt sources are named {synth.name!r}; give each synthesis entry "
-                    "its own name"
-                )
-            seen.add(synth.name)
-            for prompt in (synthesized or {}).get(synth.name, []):
-                for sample in range(cfg.num_samples):
-                    key = f"{synth.name}/{prompt['id']}/{sample}"
-                    items.append(
-                        WorkItem(
-                            key,
-                            synth.name,
-                            str(prompt["id"]),
-                            sample,
-                            prompt["turns"],
-                            synth.system,
-                            synth,
-                        )
-                    )
-            continue
-        source = spec["path"]
-        path = resolve_path(source)
-        found = str(path) if path.exists() else source
-        prompts = read_prompts(found, split=spec["split"])[spec["skip"] :]
-        limit = spec["max_rows"] if spec["max_rows"] is not None else cfg.max_rows
-        name = Path(source).stem if path.exists() else source
-        if name == "question" or name in seen:  # e.g. data/corpora/X/question.jsonl
-            name = f"{Path(source).parent.name}_{name}"
-        seen.add(name)
-        for prompt in prompts[:limit] if limit else prompts:
-            for sample in range(cfg.num_samples):
-                key = f"{name}/{prompt['id']}/{sample}"
-                items.append(WorkItem(key, name, str(prompt["id"]), sample, prompt["turns"]))
-    keys = [item.key for item in items]
-    if len(set(keys)) != len(keys):
-        dup = next(k for k in keys if keys.count(k) > 1)
-        raise DataFormatError(f"prompt id {dup!r} occurs twice in one source; ids must be unique.")
-    return items
-
-
 # ---- files -----------------------------------------------------------------------------------
-
-
-def part_path(out: Path, rank: int) -> Path:
-    return out.with_name(f"{out.name}.rank{rank}.jsonl")
 
 
 def skipped_path(out: Path) -> Path:
@@ -255,39 +183,8 @@ def meta_path(out: Path) -> Path:
     return out.with_name(f"{out.name}.meta.json")
 
 
-def part_files(out: Path) -> list[Path]:
-    """Every rank's part file beside OUT (from runs of any process count)."""
-    return sorted(out.parent.glob(f"{out.name}.rank*.jsonl"))
-
-
 def _files(out: Path) -> list[Path]:
     return [p for p in (out, *part_files(out), skipped_path(out)) if p.is_file()]
-
-
-def repair_tail(path: Path) -> int:
-    """Cut a half-written last line (a run killed mid-write); returns the bytes removed."""
-    if not path.is_file():
-        return 0
-    data = path.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if end == len(data):
-        return 0
-    with open(path, "r+b") as f:
-        f.truncate(end)
-    log.warning("%s: removed a half-written last line (%d bytes)", path, len(data) - end)
-    return len(data) - end
-
-
-def read_rows(path: Path) -> Iterator[dict]:
-    """The rows of an output, part or skipped file, read as data files are (data/json_files.py)."""
-    try:
-        for _, row in iter_jsonl(str(path)):
-            yield row
-    except DataFormatError as err:
-        raise DataFormatError(
-            f"{err} (self-distillation wrote this file: remove that line and run again to "
-            "regenerate it)"
-        ) from None
 
 
 def done_keys(out: Path) -> set[str]:
@@ -296,30 +193,6 @@ def done_keys(out: Path) -> set[str]:
     for path in _files(out):
         keys.update(row["id"] for row in read_rows(path))
     return keys
-
-
-def _append(path: Path, rows: Sequence[dict]) -> None:
-    if not rows:
-        return
-    with open(path, "a", encoding="utf-8") as f:
-        f.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def merge_parts(out: Path) -> int:
-    """Move the per-rank part files' rows into OUT (each key once); returns rows moved."""
-    repair_tail(out)
-    have = {row["id"] for row in read_rows(out)} if out.is_file() else set()
-    moved = 0
-    for part in part_files(out):
-        repair_tail(part)
-        rows = [row for row in read_rows(part) if row["id"] not in have]
-        _append(out, rows)
-        have.update(row["id"] for row in rows)
-        moved += len(rows)
-        part.unlink()
-    return moved
 
 
 def check_meta(out: Path, meta: dict) -> None:
@@ -337,108 +210,6 @@ def check_meta(out: Path, meta: dict) -> None:
         return
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2) + "\n"))
-
-
-# ---- generation ------------------------------------------------------------------------------
-
-
-class _Generator:
-    """Batched `generate` with left padding, one turn of several conversations at a time."""
-
-    def __init__(self, target, cfg: DistillConfig, encoder: ChatEncoder, eos_ids: list[int]):
-        from transformers import GenerationConfig
-
-        from data.generation import NEUTRAL_PROCESSORS
-
-        self.model, self.tok = _generation_model(target.model, cfg.dtype), target.tokenizer
-        self.cfg, self.encoder = cfg, encoder
-        self.eos = set(eos_ids)
-        pad = self.tok.pad_token_id
-        self.pad = pad if pad is not None else eos_ids[0]
-        self._config = lambda temperature, top_p, max_new_tokens: GenerationConfig(
-            max_new_tokens=max_new_tokens,
-            min_length=0,
-            num_beams=1,
-            **(
-                NEUTRAL_PROCESSORS
-                | (
-                    {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
-                    if temperature > 0
-                    else {"do_sample": False}
-                )
-            ),
-            eos_token_id=eos_ids,
-            pad_token_id=self.pad,
-        )
-        self.config = self._config(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
-
-    def __enter__(self) -> _Generator:  # nothing to start: the model is in this process
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.model = None  # frees a cast copy (the target itself stays loaded)
-
-    @torch.inference_mode()
-    def generate(
-        self,
-        prompts: list[list[int]],
-        seed: int,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        max_new_tokens: int | None = None,
-    ) -> list[tuple[list[int], str]]:
-        """(answer ids without EOS, "eos" | "length") for each prompt; temperature, top_p and
-        max_new_tokens override the answer settings (prompt synthesis samples user turns).
-        Prompts are generated in length-sorted groups of batch_size (little padding)."""
-        config = self.config
-        if temperature is not None or top_p is not None or max_new_tokens is not None:
-            config = self._config(
-                self.cfg.temperature if temperature is None else temperature,
-                self.cfg.top_p if top_p is None else top_p,
-                self.cfg.max_new_tokens if max_new_tokens is None else max_new_tokens,
-            )
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        answers: list = [None] * len(prompts)
-        size = self.cfg.batch_size
-        for g, start in enumerate(range(0, len(order), size)):
-            group = order[start : start + size]
-            done = self._batch([prompts[i] for i in group], (seed + g) % 2**31, config)
-            for i, answer in zip(group, done):
-                answers[i] = answer
-        return answers
-
-    def _batch(self, prompts: list[list[int]], seed: int, config) -> list[tuple[list[int], str]]:
-        width = max(map(len, prompts))
-        device = self.model.device
-        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding: every row ends where generation starts
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        torch.manual_seed(seed)
-        out = self.model.generate(
-            ids.to(device), attention_mask=mask.to(device), generation_config=config
-        )
-        answers = []
-        for row in out[:, width:].tolist():
-            cut = next((j for j, t in enumerate(row) if t in self.eos), None)
-            answers.append((row, "length") if cut is None else (row[:cut], "eos"))
-        return answers
-
-
-def _generation_model(model, dtype: str | None):
-    """The model `generate` runs on: the target itself, or a copy cast to `dtype` (the target
-    keeps its weights; features and training read it unchanged)."""
-    if dtype is None or getattr(torch, dtype) == model.dtype:
-        return model
-    import copy
-
-    return copy.deepcopy(model).to(getattr(torch, dtype)).eval()
-
-
-def _seed(base: int, keys: Sequence[str], turn: int) -> int:
-    digest = hashlib.sha1(f"{base}|{turn}|{'|'.join(keys)}".encode()).digest()
-    return int.from_bytes(digest[:4], "little")
 
 
 def distill(
@@ -531,12 +302,12 @@ def _generate_all(gen, todo, cfg: DistillConfig, meta: dict, paths, stats: dict,
     mine_path, skipped_file = paths
     if cfg.backend == "hf":  # several batches per chunk: each batch holds prompts of similar length
         chunks = (todo[s : s + 4 * cfg.batch_size] for s in range(0, len(todo), 4 * cfg.batch_size))
-        results = (_run_batch(gen, chunk, cfg, meta) + (len(chunk),) for chunk in chunks)
+        results = (run_batch(gen, chunk, cfg, meta) + (len(chunk),) for chunk in chunks)
     else:
         results = _stream_each(gen, todo, cfg, meta)
     for rows, skipped, tokens, count in results:
-        _append(mine_path, rows)
-        _append(skipped_file, skipped)
+        append_rows(mine_path, rows)
+        append_rows(skipped_file, skipped)
         stats["rows"] += len(rows)
         stats["skipped"] += len(skipped)
         stats["new_tokens"] += tokens
@@ -567,7 +338,7 @@ def _stream_each(gen, todo: list[WorkItem], cfg: DistillConfig, meta: dict):
                 and len(running) < running_max
                 and submitted - written < buffered_max
             ):
-                future = pool.submit(_run_batch, gen, [todo[submitted]], cfg, meta)
+                future = pool.submit(run_batch, gen, [todo[submitted]], cfg, meta)
                 futures[submitted] = future
                 running.append(future)
                 submitted += 1
@@ -586,84 +357,8 @@ def _make_generator(target, cfg: DistillConfig, encoder: ChatEncoder, eos: list[
     """The HF generator, or a server's behind the same `generate`; both are context managers
     (a server starts on enter and stops on exit)."""
     if cfg.backend == "hf":
-        return _Generator(target, cfg, encoder, eos)
+        return HFGenerator(target, cfg, encoder, eos)
     return ServerGenerator(cfg.server, encoder, cfg.max_new_tokens, cfg.temperature, cfg.top_p, eos)
-
-
-def _run_batch(gen: _Generator, batch: list[WorkItem], cfg: DistillConfig, meta: dict):
-    """All turns of a batch of conversations: (rows, skipped rows, new tokens)."""
-    histories: list[list[dict]] = [
-        [{"role": "system", "content": item.system}] if item.system else [] for item in batch
-    ]
-    finish: list[list[str]] = [[] for _ in batch]
-    open_items = set(range(len(batch)))
-    reasons: dict[int, str] = {}
-    tokens = 0
-    for turn in range(max(len(item.turns) for item in batch)):
-        user = _user_turns(gen, batch, histories, open_items, turn, cfg, reasons)
-        active, prompts = [], []
-        for i in sorted(open_items):
-            if turn >= len(batch[i].turns):
-                continue
-            history = histories[i] + [{"role": "user", "content": user[i]}]
-            ids = gen.encoder.prompt(history)
-            if len(ids) > cfg.max_prompt_tokens:
-                open_items.discard(i)  # the conversation ends before this turn
-                reasons[i] = f"turn {turn + 1} prompt has {len(ids)} > max_prompt_tokens tokens"
-                continue
-            histories[i] = history
-            active.append(i)
-            prompts.append(ids)
-        if not active:
-            break
-        answers = gen.generate(prompts, _seed(cfg.seed, [batch[i].key for i in active], turn))
-        for i, (ids, why) in zip(active, answers):
-            text = gen.tok.decode(ids, skip_special_tokens=True)
-            histories[i].append({"role": "assistant", "content": text})
-            finish[i].append(why)
-            tokens += len(ids) + (why == "eos")
-    rows, skipped = [], []
-    for i, item in enumerate(batch):
-        history = histories[i]
-        if not any(m["role"] == "assistant" for m in history):
-            skipped.append({"id": item.key, "reason": reasons.get(i, "no turn generated")})
-            continue
-        rows.append(
-            {
-                "id": item.key,
-                "source": item.source,
-                "prompt_id": item.prompt_id,
-                "sample": item.sample,
-                "messages": history,
-                "finish": finish[i],
-                "target_fingerprint": meta["target_fingerprint"],
-            }
-        )
-    return rows, skipped, tokens
-
-
-def _user_turns(gen, batch, histories, open_items, turn: int, cfg, reasons) -> dict[int, str]:
-    """This turn's user text per open conversation: given, or (None in the prompt) sampled by
-    the target after the conversation so far; a sampled turn the filters reject ends the
-    conversation before it."""
-    user, ask = {}, []
-    for i in sorted(open_items):
-        if turn < len(batch[i].turns):
-            if batch[i].turns[turn] is None:
-                ask.append(i)
-            else:
-                user[i] = batch[i].turns[turn]
-    for synth in {id(batch[i].synth): batch[i].synth for i in ask}.values():
-        group = [i for i in ask if batch[i].synth is synth]
-        seed = _seed(cfg.seed, [batch[i].key for i in group], turn) ^ 0x5A5A
-        sampled = sample_user_turns(gen, gen.encoder, [histories[i] for i in group], synth, seed)
-        for i, (text, reject) in zip(group, sampled):
-            if reject:
-                open_items.discard(i)
-                reasons[i] = f"turn {turn + 1}: the sampled follow-up was rejected ({reject})"
-            else:
-                user[i] = text
-    return user
 
 
 def _progress(total: int, enabled: bool):

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from data.errors import ConfigError
+from data.parts import append_rows, merge_parts, part_files, part_path, read_rows, repair_tail
 
 log = logging.getLogger(__name__)
 
@@ -259,14 +260,12 @@ def synthesize(
 
     get_generator: returns the started generator (called only if something is left to do).
     """
-    from data.distill import _append, merge_parts, part_path, read_rows, repair_tail
-
     path = candidates_path(out, spec)
     mine = path if world_size == 1 else part_path(path, rank)
     repair_tail(mine)
     system = [{"role": "system", "content": spec.system}] if spec.system else []
     while True:
-        every = _read_candidates(path, read_rows)
+        every = _read_candidates(path)
         done_blocks = {row["i"] // BLOCK for row in every}
         limit_blocks = -(-spec.candidate_limit // BLOCK)
         missing = [b for b in range(limit_blocks) if b not in done_blocks]
@@ -285,7 +284,7 @@ def synthesize(
             first = block * BLOCK
             seed = _block_seed(base_seed, spec, block)
             texts = sample_user_turns(get_generator(), encoder, [system] * BLOCK, spec, seed)
-            _append(
+            append_rows(
                 mine,
                 [
                     {"id": f"{spec.name}/{first + j}", "i": first + j, "text": t, "reject": r}
@@ -323,9 +322,7 @@ def synthesize(
     ]
 
 
-def _read_candidates(path: Path, read_rows) -> list[dict]:
-    from data.distill import part_files
-
+def _read_candidates(path: Path) -> list[dict]:
     rows: dict[int, dict] = {}
     for file in (path, *part_files(path)):
         if file.is_file():

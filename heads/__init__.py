@@ -1,8 +1,9 @@
 """Draft heads and the frozen target they sit on.
 
-`HEAD_TYPES` is the one list of draft methods: every table elsewhere (the method name in
-config.json, the config type `build_head` dispatches on, export formats, model-card wording, the
-proposer eval drafts with) is read from the head classes' own attributes (heads.base.DraftHead).
+`HEAD_TYPES` (heads/registry.py) is the one list of draft methods: every table elsewhere (the
+method name in config.json, the config type `build_head` dispatches on, export formats, model-card
+wording, the proposer eval drafts with) is read from the head classes' own attributes
+(heads.base.DraftHead).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import os
 from pathlib import Path
 
 from heads.base import (
-    CONFIG_NAME,
     BlockDrafter,
     DraftHead,
     FeatureDrafter,
@@ -23,40 +23,12 @@ from heads.dflash import DFlashConfig, DFlashHead
 from heads.dspark import DSparkConfig, DSparkHead
 from heads.eagle import EagleConfig, EagleHead
 from heads.eagle3 import Eagle3Config, Eagle3Head
-from heads.folder import HeadFolderError, is_foreign_head, read_head_config
+from heads.folder import HeadFolderError, is_foreign_head
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.medusa2 import Medusa2Config, Medusa2Head
+from heads.registry import HEAD_CLASSES, HEAD_TYPES, build_head, head_class, load_native
 
-HEAD_TYPES: tuple[type[DraftHead], ...] = (
-    MedusaHeads,
-    Medusa2Head,
-    EagleHead,
-    Eagle3Head,
-    DFlashHead,
-    DSparkHead,
-)
-HEAD_CLASSES: dict[str, type[DraftHead]] = {cls.method: cls for cls in HEAD_TYPES}
 HUB_PREFIX = "hf://"  # heads.from_pretrained("hf://owner/name") downloads a Hub repo
-
-
-def head_class(method: str, where: str | os.PathLike = "") -> type[DraftHead]:
-    """The head class whose `method` is `method` (`where`: the file that named it)."""
-    if method not in HEAD_CLASSES:
-        where = f"{where}: " if where else ""
-        raise HeadFolderError(
-            f"{where}unknown head method {method!r}; known: {', '.join(sorted(HEAD_CLASSES))}."
-        )
-    return HEAD_CLASSES[method]
-
-
-def build_head(config, target, token_counts=None) -> DraftHead:
-    """A new head for `target` from its config dataclass (the config's exact type picks the
-    method: Medusa2Config subclasses MedusaConfig, and each still builds its own head)."""
-    for cls in HEAD_TYPES:
-        if type(config) is cls.config_class:
-            return cls.for_target(config, target, token_counts=token_counts)
-    known = ", ".join(cls.config_class.__name__ for cls in HEAD_TYPES)
-    raise TypeError(f"no head class takes a {type(config).__name__}; known configs: {known}.")
 
 
 def from_pretrained(
@@ -71,12 +43,10 @@ def from_pretrained(
     """
     folder = head_folder(path)
     if is_foreign_head(folder):
-        from heads.interop import import_draft  # imported here: interop imports this package
+        from heads.interop import import_draft  # only another tool's layout needs the readers
 
         return import_draft(folder, target, allow_other_target=allow_other_target)
-    doc = read_head_config(folder)
-    cls = head_class(doc["method"], Path(folder) / CONFIG_NAME)
-    return cls.from_pretrained(folder, target, doc=doc, allow_other_target=allow_other_target)
+    return load_native(folder, target, allow_other_target=allow_other_target)
 
 
 def head_folder(path: str | os.PathLike) -> Path:

@@ -29,11 +29,14 @@ Drafting (eval/block_proposer.py) keeps, per draft layer, the keys/values of the
 (`new_cache`, `extend_cache`); a step appends the positions the target just committed and runs the
 block against them (`draft_block`). Block keys are never stored, so only committed positions
 survive a step.
+
+Around the head: heads/block_layers.py (the draft layers and their cache), heads/block_training.py
+(anchors, block mask, labels, slot weights and stats), heads/dflash_target.py (what it takes from
+the target: fused layers, MASK token, starting weights).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -46,19 +49,20 @@ from heads.base import (
     LossOutput,
     TargetInfo,
     batch_positions,
-    label_mask,
     stat_pair,
     warm_start,
 )
 from heads.base import save_head as _save_head
-from heads.draft_layer import (
-    DraftCache,
-    DraftMLP,
-    LayerSpec,
-    RMSNorm,
-    _rotate_half,
-    rotary_embedding,
+from heads.block_layers import BlockCache, BlockLayer
+from heads.block_training import (
+    block_attention_mask,
+    block_labels,
+    position_weights,
+    sample_anchors,
+    slot_stats,
 )
+from heads.dflash_target import init_from_target_layers, init_norm_from_target, with_target_settings
+from heads.draft_layer import LayerSpec, RMSNorm
 from heads.eagle import check_shapes
 from heads.folder import load_head_tensors, load_weights, open_head, saved_tensor
 from heads.vocab import d2t_t2d, draft_to_target, frequent_ids, saved_draft_ids, target_to_draft
@@ -130,216 +134,6 @@ class DFlashConfig:
         return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, self.block_size / 2)
 
 
-def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """One target layer per draft layer, evenly from layer 1 to N-3 (the middle one for a single
-    draft layer), rounded, in the reference's convention; clamped into [0, N-2] so that every id
-    names a residual-stream state (HF index id + 1 <= N - 1) on small targets too."""
-    N = num_target_layers
-    if N < 2:
-        raise ValueError(f"a DFlash draft needs a target with 2 or more layers (it has {N}).")
-    if num_draft_layers == 1:
-        ids = [N // 2]
-    else:
-        start, end = 1, N - 3
-        span = end - start
-        ids = [
-            int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)
-        ]
-    return [min(max(i, 0), N - 2) for i in ids]
-
-
-def default_mask_token(tokenizer) -> int | None:
-    """A special token the chat template never writes (SmolLM2: none of its rows is spare, but
-    StarCoder's code-metadata tokens such as <filename> never occur in chat): the highest-id
-    additional special token that is not BOS/EOS/PAD/UNK and does not appear in a rendered
-    two-turn conversation. None when there is none."""
-    if tokenizer is None:
-        return None
-    reserved = {
-        getattr(tokenizer, name, None)
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
-    }
-    specials = set(getattr(tokenizer, "all_special_ids", []) or [])
-    # tokens the tokenizer marks special without naming them a role (SmolLM2's StarCoder
-    # metadata tokens <filename>, <empty_output>, ... are not in all_special_ids)
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    specials |= {int(i) for i, token in added.items() if getattr(token, "special", False)}
-    specials = sorted(specials - reserved, reverse=True)
-    if not specials:
-        return None
-    used: set[int] = set()
-    if getattr(tokenizer, "chat_template", None):
-        messages = [
-            {"role": "system", "content": "s"},
-            {"role": "user", "content": "u"},
-            {"role": "assistant", "content": "a"},
-            {"role": "user", "content": "v"},
-        ]
-        try:
-            used = set(
-                tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            )
-        except Exception:  # a template that refuses a system turn: try without it
-            try:
-                used = set(
-                    tokenizer.apply_chat_template(
-                        messages[1:], add_generation_prompt=True, tokenize=True
-                    )
-                )
-            except Exception:
-                used = set()
-        if isinstance(used, set) and used and not isinstance(next(iter(used)), int):
-            used = set()  # a BatchEncoding-like answer: treat as unknown
-    for token in specials:
-        if token not in used:
-            return int(token)
-    return None
-
-
-# ---- the draft layers ------------------------------------------------------------------------
-
-
-class BlockAttention(nn.Module):
-    """Grouped-query attention of a block over [context; block]; Qwen3's per-head q/k norms."""
-
-    def __init__(self, spec: LayerSpec):
-        super().__init__()
-        self.spec = spec
-        H, nh, kv, d = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
-        if nh % kv:
-            raise ValueError(f"num_attention_heads={nh} is not a multiple of kv heads={kv}")
-        self.q_proj = nn.Linear(H, nh * d, bias=False)
-        self.k_proj = nn.Linear(H, kv * d, bias=False)
-        self.v_proj = nn.Linear(H, kv * d, bias=False)
-        self.o_proj = nn.Linear(nh * d, H, bias=False)
-        self.q_norm = RMSNorm(d, spec.rms_norm_eps)
-        self.k_norm = RMSNorm(d, spec.rms_norm_eps)
-        self.rotary = rotary_embedding(spec)
-
-    def _rope(self, x: Tensor, position_ids: Tensor) -> Tensor:
-        cos, sin = self.rotary(x, position_ids)  # (B, S, d)
-        cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
-        return x * cos + _rotate_half(x) * sin
-
-    def keys_values(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
-        """(B, S, H) rows at `position_ids` (B, S) -> keys, values (B, kv, S, d)."""
-        B, S, _ = x.shape
-        d = self.spec.head_dim
-        keys = self.k_norm(self.k_proj(x).view(B, S, -1, d)).transpose(1, 2)
-        values = self.v_proj(x).view(B, S, -1, d).transpose(1, 2)
-        return self._rope(keys, position_ids), values
-
-    def forward(
-        self,
-        x: Tensor,
-        position_ids: Tensor,
-        context: tuple[Tensor, Tensor],
-        attn_mask: Tensor | None,
-    ) -> Tensor:
-        """x (B, Q, H): the normed block rows; context: keys/values (B, kv, C, d) of the context;
-        attn_mask: bool (B or 1, 1, Q, C + Q) or None (every row sees everything)."""
-        B, Q, _ = x.shape
-        d = self.spec.head_dim
-        queries = self.q_norm(self.q_proj(x).view(B, Q, -1, d)).transpose(1, 2)
-        queries = self._rope(queries, position_ids)
-        keys, values = self.keys_values(x, position_ids)
-        keys = torch.cat([context[0].to(keys.dtype), keys], dim=2)
-        values = torch.cat([context[1].to(values.dtype), values], dim=2)
-        out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=attn_mask, enable_gqa=True
-        )  # (B, nh, Q, d)
-        return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
-
-
-class BlockLayer(nn.Module):
-    """Pre-norm decoder layer whose attention also reads the context keys/values."""
-
-    def __init__(self, spec: LayerSpec, intermediate_size: int):
-        super().__init__()
-        H = spec.hidden_size
-        self.input_layernorm = RMSNorm(H, spec.rms_norm_eps)
-        self.self_attn = BlockAttention(spec)
-        self.post_attention_layernorm = RMSNorm(H, spec.rms_norm_eps)
-        self.mlp = DraftMLP(H, intermediate_size)
-
-    def forward(
-        self,
-        hidden: Tensor,
-        position_ids: Tensor,
-        context: tuple[Tensor, Tensor],
-        attn_mask: Tensor | None = None,
-    ) -> Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden), position_ids, context, attn_mask)
-        hidden = hidden + attn
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-
-class BlockCache:
-    """The committed context's keys/values, one DraftCache per draft layer."""
-
-    def __init__(self, num_layers: int) -> None:
-        self.layers = [DraftCache() for _ in range(num_layers)]
-
-    @property
-    def length(self) -> int:
-        return self.layers[0].length
-
-    def crop(self, length: int) -> None:
-        for layer in self.layers:
-            layer.crop(length)
-
-
-def block_attention_mask(
-    anchors: Tensor, length: int, block_size: int, segments: Tensor | None = None
-) -> Tensor:
-    """Which keys each block row may see in training: (B, 1, N*B, T + N*B) bool.
-
-    anchors (B, N): the anchor positions (row indices) of N blocks per row; keys are the T context
-    positions then the N blocks. A row of block j sees context positions p < anchors[j] (of the
-    anchor's own conversation where `segments` (B, T) marks packed rows) and every row of block j.
-    """
-    Bt, N = anchors.shape
-    device = anchors.device
-    p = torch.arange(length, device=device)
-    ctx = p[None, None, :] < anchors[:, :, None]  # (Bt, N, T)
-    if segments is not None:
-        own = torch.gather(segments, 1, anchors)  # (Bt, N)
-        ctx = ctx & (segments[:, None, :] == own[:, :, None])
-    ctx = ctx[:, :, None, :].expand(Bt, N, block_size, length).reshape(Bt, N * block_size, length)
-    block = torch.arange(N, device=device).repeat_interleave(block_size)
-    same = (block[:, None] == block[None, :])[None].expand(Bt, -1, -1)
-    return torch.cat([ctx, same], dim=-1)[:, None]
-
-
-def slot_stats(
-    per_slot: Tensor, logits: Tensor, want: Tensor, ok: Tensor, topk: int, first_slot: int
-) -> dict[str, Tensor]:
-    """Per-slot loss, top-1 and top-k accuracy (`slot{i}/...`, i counted from `first_slot`), and
-    the first drafted token's as `head0/...` (the same quantity as Medusa's head 0). logits (n,
-    D) and want (n,) are the `ok` slots in order."""
-    device = per_slot.device
-    k = min(topk, logits.shape[-1])
-    hit1 = torch.zeros(ok.shape, device=device)
-    hitk = torch.zeros(ok.shape, device=device)
-    if logits.shape[0]:
-        top = logits.detach().topk(k, dim=-1).indices == want[:, None]
-        hit1[ok] = top[:, 0].float()
-        hitk[ok] = top.any(-1).float()
-    stats: dict[str, Tensor] = {}
-    for i in range(ok.shape[-1]):
-        n = int(ok[..., i].sum())
-        name = f"slot{i + first_slot}"
-        stats[f"{name}/loss"] = stat_pair(per_slot[..., i].detach().sum(), n, device)
-        stats[f"{name}/top1"] = stat_pair(hit1[..., i].sum(), n, device)
-        stats[f"{name}/top{k}"] = stat_pair(hitk[..., i].sum(), n, device)
-    stats["head0/top1"] = stats[f"slot{first_slot}/top1"]
-    stats[f"head0/top{k}"] = stats[f"slot{first_slot}/top{k}"]
-    return stats
-
-
-# ---- the head --------------------------------------------------------------------------------
-
-
 class DFlashHead(nn.Module):
     """DFlash: fused target context, a few block-attention layers, norm + (target) lm_head."""
 
@@ -399,30 +193,7 @@ class DFlashHead(nn.Module):
 
     @classmethod
     def for_target(cls, config: DFlashConfig, target, token_counts: Tensor | None = None):
-        N = target.num_layers
-        ids = config.target_layer_ids or build_target_layer_ids(N, config.num_layers)
-        if any(not 0 <= i <= N - 2 for i in ids):
-            raise ValueError(
-                f"head.target_layer_ids={ids}: ids name decoder layers whose output is HF "
-                f"hidden_states[id + 1], so they must lie in [0, {N - 2}] for this {N}-layer "
-                "target."
-            )
-        mask = config.mask_token_id
-        tokenizer = getattr(target, "tokenizer", None)
-        if mask is None:
-            mask = default_mask_token(tokenizer)
-        if mask is None and config.learn_mask:
-            # the learned vector replaces the row in drafting and in llama.cpp's export alike;
-            # the id only seeds it: take the padding token, else the last id
-            pad = getattr(tokenizer, "pad_token_id", None)
-            mask = pad if pad is not None else target.vocab_size - 1
-        if mask is None:
-            raise ValueError(
-                "head.mask_token_id is null and the target's tokenizer has no special token its "
-                "chat template leaves unused: set head.mask_token_id to a token id the target "
-                "never writes (with head.learn_mask=true only its row in exports depends on it)."
-            )
-        config = dataclasses.replace(config, target_layer_ids=list(ids), mask_token_id=int(mask))
+        config = with_target_settings(config, target)
         draft_ids = frequent_ids(target, config.draft_vocab_size, token_counts, "draft_vocab_size")
         head = cls(
             config,
@@ -434,13 +205,7 @@ class DFlashHead(nn.Module):
         )
         if config.init_from_target:
             init_from_target_layers(head, target)
-        # The frozen lm_head was trained on the target's final norm: start the draft's norm
-        # there, so that its first logits have the target's scale (all-ones gave a CE of 19).
-        final = getattr(getattr(target.model, "base_model", None), "norm", None)
-        weight = getattr(final, "weight", None)
-        if isinstance(weight, Tensor) and weight.shape == head.norm.weight.shape:
-            with torch.no_grad():
-                head.norm.weight.copy_(weight.detach().float())
+        init_norm_from_target(head, target)
         return head
 
     # ---- facts ---------------------------------------------------------------------------
@@ -548,21 +313,6 @@ class DFlashHead(nn.Module):
 
     # ---- training ------------------------------------------------------------------------
 
-    def sample_anchors(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        """Up to `num_anchors` anchor positions per row, uniformly among the positions whose
-        next token is a label of their own conversation and that have context before them.
-        Returns (anchors (B, N) long, valid (B, N) bool); unused slots hold position 0."""
-        ids = batch["input_ids"]
-        B, T = ids.shape
-        allowed = label_mask(batch, 1) & (batch_positions(batch, T) >= 1)
-        n = min(self.config.num_anchors, T)
-        score = torch.rand(B, T, device=ids.device).masked_fill(~allowed, -1.0)
-        top, anchors = score.topk(n, dim=1)
-        valid = top >= 0
-        anchors = torch.where(valid, anchors, torch.zeros_like(anchors))
-        order = anchors.masked_fill(~valid, T).argsort(dim=1)  # ascending, unused last
-        return torch.gather(anchors, 1, order), torch.gather(valid, 1, order)
-
     def train_blocks(
         self, batch: dict[str, Tensor], features: dict[str, Tensor], anchors: Tensor
     ) -> Tensor:
@@ -585,25 +335,6 @@ class DFlashHead(nn.Module):
         hidden = self.run_layers(embeds, block_pos, context, mask)
         return hidden.reshape(Bt, N, Bk, -1)
 
-    def block_labels(
-        self, batch: dict[str, Tensor], anchors: Tensor, valid: Tensor, offsets: list[int]
-    ) -> tuple[Tensor, Tensor]:
-        """Labels of the scored slots: slot i of the block at anchor a predicts x_{a+offsets[i]}.
-
-        Returns (labels (B, N, K) target ids, ok (B, N, K) bool): ok where that token is a label
-        of the anchor's own conversation (and, for a reduced vocabulary, inside it)."""
-        ids = batch["input_ids"]
-        T = ids.shape[1]
-        labels, ok = [], []
-        for offset in offsets:
-            has = torch.gather(label_mask(batch, offset), 1, anchors) & valid  # (B, N)
-            token = torch.gather(ids, 1, (anchors + offset).clamp(max=T - 1))
-            if self.draft_vocab_size < self.target_info.vocab_size:
-                has = has & self.t2d[token]  # a label outside the draft vocab cannot be drafted
-            labels.append(token)
-            ok.append(has)
-        return torch.stack(labels, -1), torch.stack(ok, -1)
-
     @torch.no_grad()
     def target_probs(
         self, features: dict[str, Tensor], anchors: Tensor, offsets: list[int], ok: Tensor
@@ -623,29 +354,13 @@ class DFlashHead(nn.Module):
             ]
         return F.linear(rows.to(weight.dtype), weight).float().softmax(-1)
 
-    def position_weights(self, per_slot: Tensor, ok: Tensor, first: int) -> Tensor:
-        """Loss weights (B, N, K) of the scored slots, without gradient. "decay": slot i (the
-        token first + i places after the anchor's first draft) weighs exp(-(first + i)/gamma).
-        "dpace": with q = exp(-loss) the draft's chance on the label and s = (1 - alpha) q +
-        alpha, slot i weighs the sum over j >= i of prod_{l <= j} s_l (over ok slots): what a
-        slot's error costs the rest of the chain."""
-        K = ok.shape[-1]
-        if self.config.weighting == "dpace":
-            alpha = self.config.dpace_alpha
-            smooth = ((1 - alpha) * torch.exp(-per_slot.detach()) + alpha) * ok
-            smooth = torch.where(ok, smooth, torch.ones_like(smooth))
-            prefix = torch.cumprod(smooth, dim=-1) * ok
-            return prefix.flip(-1).cumsum(-1).flip(-1) * ok
-        steps = torch.arange(K, device=ok.device, dtype=torch.float32) + first
-        return torch.exp(-steps / self.config.decay).expand(ok.shape) * ok
-
     def loss(self, batch: dict[str, Tensor], features: dict[str, Tensor]) -> LossOutput:
         device = self.fc.weight.device
         batch = {k: v.to(device) for k, v in batch.items()}
-        anchors, valid = self.sample_anchors(batch)
+        anchors, valid = sample_anchors(batch, self.config.num_anchors)
         hidden = self.train_blocks(batch, features, anchors)[:, :, 1:]  # slots 1..B-1
         offsets = list(range(1, self.block_size))
-        labels, ok = self.block_labels(batch, anchors, valid, offsets)
+        labels, ok = block_labels(batch, anchors, valid, offsets, self.t2d)
         logits = self.logits(hidden[ok]).float()  # (n, D)
         want = self.target_to_draft(labels[ok])
         if self.config.loss == "kd":
@@ -655,7 +370,7 @@ class DFlashHead(nn.Module):
             flat = F.cross_entropy(logits, want, reduction="none")
         per_slot = torch.zeros(ok.shape, device=device, dtype=flat.dtype)
         per_slot[ok] = flat
-        weights = self.position_weights(per_slot, ok, 0)
+        weights = position_weights(per_slot, ok, 0, self.config)
         total = hidden.sum() * 0.0  # keeps every parameter in the graph (DDP) if nothing counts
         if bool(ok.any()):
             total = total + (per_slot * weights).sum() / weights.sum().clamp(min=1e-12)
@@ -692,53 +407,4 @@ class DFlashHead(nn.Module):
         return head
 
 
-def _projection_gain(weight: Tensor, input_gain: Tensor, head_dim: int) -> Tensor:
-    """Per-dimension RMS (head_dim,) of a projection's heads for an input RMS-normed with gain
-    `input_gain`: sqrt(sum_j W[r, j]^2 g_j^2), averaged over the heads. A q_norm / k_norm with
-    this weight keeps the scale the target's un-normed queries/keys had."""
-    rows = (weight.float().pow(2) * input_gain.float().pow(2)).sum(-1).sqrt()  # (heads * d,)
-    return rows.view(-1, head_dim).mean(0)
-
-
-@torch.no_grad()
-def init_from_target_layers(head: DFlashHead, target) -> None:
-    """Draft layer i starts as a copy of target layer L + 1 + i (clamped to the last), where L
-    is the deepest fused layer id; fc starts as the selection of layer L's features and
-    hidden_norm as layer L + 1's input norm, so the context keys/values are that layer's own
-    (up to q_norm / k_norm, set to keep the target's query/key scale). Biases of the target's
-    projections (Qwen2) are dropped: the draft has none."""
-    layers = getattr(getattr(target.model, "base_model", None), "layers", None)
-    if layers is None:
-        raise ValueError(
-            "head.init_from_target needs a target whose base model has decoder `layers` "
-            "(Llama/Qwen-style); set head.init_from_target=false."
-        )
-    ids = head.config.target_layer_ids
-    last = max(ids)
-    H = head.target_info.hidden_size
-    head.fc.weight.zero_()
-    slot = ids.index(last)
-    head.fc.weight[:, slot * H : (slot + 1) * H] = torch.eye(H)
-    first = layers[min(last + 1, len(layers) - 1)]
-    head.hidden_norm.weight.copy_(first.input_layernorm.weight.float())
-    d = head.spec.head_dim
-    for i, mine in enumerate(head.layers):
-        src = layers[min(last + 1 + i, len(layers) - 1)]
-        theirs = dict(src.named_parameters())
-        for name, param in mine.named_parameters():
-            if name in theirs and theirs[name].shape == param.shape:
-                param.copy_(theirs[name].float())
-        gain = src.input_layernorm.weight
-        attn = src.self_attn
-        mine.self_attn.q_norm.weight.copy_(_projection_gain(attn.q_proj.weight, gain, d))
-        mine.self_attn.k_norm.weight.copy_(_projection_gain(attn.k_proj.weight, gain, d))
-
-
-__all__ = [
-    "BlockCache",
-    "DFlashConfig",
-    "DFlashHead",
-    "block_attention_mask",
-    "build_target_layer_ids",
-    "default_mask_token",
-]
+__all__ = ["DFlashConfig", "DFlashHead"]

@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from heads.base import BlockDrafter, LossOutput, TargetInfo, stat_pair
-from heads.dflash import DFlashConfig, DFlashHead, slot_stats
+from heads.block_training import block_labels, position_weights, sample_anchors, slot_stats
+from heads.dflash import DFlashConfig, DFlashHead
 from heads.draft_layer import LayerSpec
 
 MARKOV_HEAD_TYPES = ("vanilla",)
@@ -281,7 +282,7 @@ class DSparkHead(DFlashHead):
         (None without the confidence head) of the ok slots in order)."""
         hidden = self.train_blocks(batch, features, anchors)  # (B, N, Bk, H): every slot drafts
         offsets = list(range(1, self.block_size + 1))  # slot k predicts x_{a+k+1}
-        labels, ok = self.block_labels(batch, anchors, valid, offsets)
+        labels, ok = block_labels(batch, anchors, valid, offsets, self.t2d)
         ok = ok.long().cumprod(-1).bool()  # a chain cannot step over a token that is no label
         anchor_ids = torch.gather(batch["input_ids"].to(anchors.device), 1, anchors)  # (B, N)
         prev = torch.cat([anchor_ids[..., None], labels[..., :-1]], dim=-1)  # (B, N, Bk)
@@ -295,7 +296,7 @@ class DSparkHead(DFlashHead):
         device = self.fc.weight.device
         batch = {k: v.to(device) for k, v in batch.items()}
         cfg = self.config
-        anchors, valid = self.sample_anchors(batch)
+        anchors, valid = sample_anchors(batch, cfg.num_anchors)
         ok, labels, logits, conf = self.teacher_forced(batch, features, anchors, valid)
         want = self.target_to_draft(labels[ok])
         offsets = list(range(1, self.block_size + 1))
@@ -305,7 +306,7 @@ class DSparkHead(DFlashHead):
         per_slot[ok] = terms.total
         ce_slot = torch.zeros(ok.shape, device=device, dtype=terms.ce.dtype)
         ce_slot[ok] = terms.ce.detach()
-        weights = self.position_weights(ce_slot, ok, 0)  # exp(-k/gamma), or D-PACE from the CE
+        weights = position_weights(ce_slot, ok, 0, cfg)  # exp(-k/gamma), or D-PACE from the CE
         # every parameter stays in the graph (DDP) even when nothing counts
         total = sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
         if bool(ok.any()):

@@ -59,8 +59,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from data.distill import DistillConfig, distill, read_rows
+    from data.distill import DistillConfig, distill
     from data.formats import read_prompts
+    from data.parts import read_rows
     from data.paths import resolve_path
     from train.rundir import load_conf_target
 

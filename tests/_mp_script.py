@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
 
 from tests._dummy_head import DummyHead, collate_with_ids, make_examples, make_target  # noqa: E402
 from train import checkpoint as checkpoint_module  # noqa: E402
+from train import checkpointing as checkpointing_module  # noqa: E402
 from train import loop as loop_module  # noqa: E402
 from train.checkpoint import gathered_weights  # noqa: E402
 from train.config import TrainerConfig  # noqa: E402
@@ -54,7 +55,8 @@ def weights_digest(module: torch.nn.Module) -> str:
 
 
 def record_writes(rank: int, current: dict) -> None:
-    """Wrap the loop's writers so each process notes what it wrote, in current["run_dir"]."""
+    """Wrap the loop's writers (train/checkpointing.py) so each process notes what it wrote, in
+    current["run_dir"]."""
 
     def noting(kind, write):
         def wrapper(*args, **kwargs):
@@ -64,8 +66,9 @@ def record_writes(rank: int, current: dict) -> None:
 
         return wrapper
 
-    loop_module.save_checkpoint = noting("checkpoint", loop_module.save_checkpoint)
-    loop_module.atomic_save_dir = noting("head", loop_module.atomic_save_dir)
+    module = checkpointing_module
+    module.save_checkpoint = noting("checkpoint", module.save_checkpoint)
+    module.atomic_save_dir = noting("head", module.atomic_save_dir)
 
 
 def crash_in_save(step: int) -> None:
@@ -91,7 +94,7 @@ def force_fsdp_on_cpu() -> None:
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
-    make_accelerator = loop_module._make_accelerator
+    make_accelerator = loop_module.make_accelerator
 
     def make(cfg):
         state = PartialState(cpu=True)
@@ -102,7 +105,7 @@ def force_fsdp_on_cpu() -> None:
         assert acc.distributed_type == DistributedType.FSDP and acc.device.type == "cpu"
         return acc
 
-    loop_module._make_accelerator = make
+    loop_module.make_accelerator = make
 
 
 def train_once(args, rank: int, run_dir: Path, current: dict, stop_at: int = 0) -> None:

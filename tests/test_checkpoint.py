@@ -106,7 +106,7 @@ def test_resume_restores_the_rng(target, tmp_path, monkeypatch):
     # which shows the exact-resume test really exercises the RNG path
     straight, _ = run(target, tmp_path / "straight")
     run(target, tmp_path / "resumed", stop_at=3)
-    monkeypatch.setattr("train.loop.restore_rng_state", lambda state: None)
+    monkeypatch.setattr("train.checkpointing.restore_rng_state", lambda state: None)
     resumed, _ = run(target, tmp_path / "resumed")
     assert not torch.equal(straight.proj.weight, resumed.proj.weight)
 

@@ -32,13 +32,9 @@ from eval.engine.proposers import DecodeState
 from eval.engine.tree import build_tree, chain_tree
 from eval.engine.tree_spec import resolve_tree
 from eval.engine.verify import GreedyVerifier, SpeculativeSampler, process_logits
-from heads.dflash import (
-    DFlashConfig,
-    DFlashHead,
-    block_attention_mask,
-    build_target_layer_ids,
-    default_mask_token,
-)
+from heads.block_training import block_attention_mask, position_weights, sample_anchors
+from heads.dflash import DFlashConfig, DFlashHead
+from heads.dflash_target import build_target_layer_ids, default_mask_token
 from heads.target import Target
 
 PROMPT = torch.tensor([[2, 40, 17, 99, 5, 63, 120, 8]])
@@ -208,7 +204,7 @@ def test_anchors_and_labels_stay_in_their_conversation(target):
     }
     torch.manual_seed(0)
     for _ in range(20):
-        anchors, valid = head.sample_anchors(batch)
+        anchors, valid = sample_anchors(batch, head.config.num_anchors)
         for b in range(2):
             for a, ok in zip(anchors[b].tolist(), valid[b].tolist()):
                 if ok:
@@ -216,7 +212,7 @@ def test_anchors_and_labels_stay_in_their_conversation(target):
                     assert positions[b, a] >= 1
     # every usable position is drawn when anchors outnumber them
     head.config.num_anchors = 64
-    anchors, valid = head.sample_anchors(batch)
+    anchors, valid = sample_anchors(batch, head.config.num_anchors)
     assert int(valid[0].sum()) == 18 and int(valid[1].sum()) == 7 + 8
 
 
@@ -429,17 +425,13 @@ def test_save_and_load_round_trip(target, tmp_path, reduced):
 
 
 def test_dpace_and_decay_weights():
-    head = DFlashHead.__new__(DFlashHead)
-    nn_init = torch.nn.Module.__init__
-    nn_init(head)
-    head.config = DFlashConfig(block_size=4, weighting="dpace", dpace_alpha=0.5)
+    config = DFlashConfig(block_size=4, weighting="dpace", dpace_alpha=0.5)
     ok = torch.tensor([[[True, True, False]]])
     per_slot = torch.tensor([[[math.log(2.0), 0.0, 5.0]]])  # q = 0.5, 1.0 (third not scored)
-    w = head.position_weights(per_slot, ok, 0)
+    w = position_weights(per_slot, ok, 0, config)
     s1, s2 = 0.5 * 0.5 + 0.5, 1.0  # smoothed chances
     torch.testing.assert_close(w, torch.tensor([[[s1 + s1 * s2, s1 * s2, 0.0]]]))
-    head.config = DFlashConfig(block_size=4, gamma=2.0)
-    w = head.position_weights(per_slot, ok, 0)
+    w = position_weights(per_slot, ok, 0, DFlashConfig(block_size=4, gamma=2.0))
     torch.testing.assert_close(w, torch.tensor([[[1.0, math.exp(-0.5), 0.0]]]))
 
 

@@ -11,7 +11,9 @@ import torch
 
 from data import normalize_row
 from data.chat import ChatEncoder
-from data.distill import DistillConfig, _Generator, distill, done_keys, repair_tail
+from data.distill import DistillConfig, distill, done_keys
+from data.engines.hf_generation import HFGenerator
+from data.parts import repair_tail
 from data.row_checks import RowSkipped
 from eval.engine.generator import plain_greedy
 
@@ -78,7 +80,7 @@ def test_every_turn_is_the_targets_answer(tiny_llama, tmp_path):
 
 def test_eos_cuts_the_answer(tiny_llama, monkeypatch):
     cfg = DistillConfig(prompts=["x"], out="o.jsonl", max_new_tokens=4)
-    gen = _Generator(tiny_llama, cfg, ChatEncoder(tiny_llama.tokenizer), [3])
+    gen = HFGenerator(tiny_llama, cfg, ChatEncoder(tiny_llama.tokenizer), [3])
     prompt = [[5, 6, 7], [8, 9]]
 
     def fake_generate(ids, attention_mask, generation_config):
@@ -102,7 +104,7 @@ def test_a_killed_run_resumes_without_loss_or_duplicates(tiny_llama, tmp_path, m
 
     cfg = config(tmp_path, batch_size=1)
     calls = {"n": 0}
-    real = _Generator.generate
+    real = HFGenerator.generate
 
     def dies_on_the_fourth_call(self, prompts, seed):
         calls["n"] += 1
@@ -110,10 +112,10 @@ def test_a_killed_run_resumes_without_loss_or_duplicates(tiny_llama, tmp_path, m
             raise KeyboardInterrupt
         return real(self, prompts, seed)
 
-    monkeypatch.setattr(_Generator, "generate", dies_on_the_fourth_call)
+    monkeypatch.setattr(HFGenerator, "generate", dies_on_the_fourth_call)
     with pytest.raises(KeyboardInterrupt):
         distill(tiny_llama, cfg, progress=False)
-    monkeypatch.setattr(_Generator, "generate", real)
+    monkeypatch.setattr(HFGenerator, "generate", real)
     first = rows_of(cfg.out)
     assert [r["id"] for r in first] == [f"prompts/{k}/0" for k in "abcd"]  # the first chunk
     with open(cfg.out, "a") as f:  # and a kill in the middle of writing a line
@@ -130,8 +132,8 @@ def test_a_killed_run_resumes_without_loss_or_duplicates(tiny_llama, tmp_path, m
 def test_another_dtype_generates_on_a_cast_copy(tiny_llama, tmp_path):
     """distill.dtype: the hf backend generates on a copy cast to that dtype, the target keeps its
     weights, and the answers are that copy's own greedy answers."""
-    assert _Generator(tiny_llama, config(tmp_path), None, [3]).model is tiny_llama.model
-    gen = _Generator(tiny_llama, config(tmp_path, dtype="bfloat16"), None, [3])
+    assert HFGenerator(tiny_llama, config(tmp_path), None, [3]).model is tiny_llama.model
+    gen = HFGenerator(tiny_llama, config(tmp_path, dtype="bfloat16"), None, [3])
     assert gen.model is not tiny_llama.model and gen.model.dtype == torch.bfloat16
     gen.__exit__(None, None, None)
     assert gen.model is None  # the copy is let go when generation ends
@@ -272,7 +274,7 @@ def test_training_on_self_distilled_data_generates_once(tmp_path):
 
 
 def test_prompt_entries_take_a_slice_of_their_source(tmp_path):
-    from data.distill import work_items
+    from data.distill_work import work_items
 
     path = write_prompts(tmp_path / "prompts.jsonl")
     other = write_prompts(tmp_path / "other.jsonl")
@@ -287,7 +289,7 @@ def test_prompt_entries_take_a_slice_of_their_source(tmp_path):
 
 
 def test_a_prompt_entry_picks_a_dataset_split(tmp_path):
-    from data.distill import work_items
+    from data.distill_work import work_items
 
     folder = tmp_path / "ultrachat_like"
     (folder / "data").mkdir(parents=True)  # split files named as on the Hub (UltraChat's)

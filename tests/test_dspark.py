@@ -28,6 +28,7 @@ from eval.engine.proposers import DecodeState
 from eval.engine.tree import build_tree, chain_tree
 from eval.engine.tree_spec import resolve_tree
 from eval.engine.verify import GreedyVerifier, SpeculativeSampler, process_logits
+from heads.block_training import position_weights
 from heads.dspark import DSparkConfig, DSparkHead, dspark_terms
 from heads.target import Target
 
@@ -190,7 +191,7 @@ def test_loss_terms_on_a_hand_computed_case():
 def test_slot_weights_decay_from_the_first_drafted_token(target):
     head = real_head(target, block_size=4)
     ok = torch.tensor([[[True, True, True, False]]])
-    w = head.position_weights(torch.zeros(ok.shape), ok, 0)
+    w = position_weights(torch.zeros(ok.shape), ok, 0, head.config)
     torch.testing.assert_close(w, torch.tensor([[[1.0, math.exp(-0.25), math.exp(-0.5), 0.0]]]))
 
 

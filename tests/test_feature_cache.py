@@ -13,14 +13,9 @@ import torch
 from omegaconf import OmegaConf
 
 from data.dataset import collate
-from data.feature_cache import (
-    FeatureCacheDataset,
-    build_feature_cache,
-    dequantize_int8,
-    open_or_build_feature_cache,
-    quantize_int8,
-    shard_file,
-)
+from data.feature_cache import FeatureCacheDataset, open_or_build_feature_cache
+from data.feature_cache_build import build_feature_cache
+from data.feature_cache_format import dequantize_int8, quantize_int8, shard_file
 from data.features import FeatureCacheMismatch, compute_features, feature_meta
 from heads.dflash import DFlashConfig, DFlashHead
 from heads.eagle3 import Eagle3Config, Eagle3Head

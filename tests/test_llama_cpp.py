@@ -318,13 +318,14 @@ def _distill_cfg(out, rows: int, **engine):
 
 def test_llama_cpp_distillation_resumes_without_duplicates(tiny_setup, tmp_path, monkeypatch):
     import data.distill as distill_mod
-    from data.distill import distill, read_rows
+    from data.distill import distill
+    from data.parts import read_rows
 
     target, _, _, target_file, _ = tiny_setup
     out = tmp_path / "sd.jsonl"
     # one slot: conversations are written one by one as they finish, in the prompts' order
     engine = {"backend": "llama_cpp", "gguf": str(target_file), "parallel": 1}
-    real_append, calls = distill_mod._append, []
+    real_append, calls = distill_mod.append_rows, []
 
     def crash_after_first_batch(path, rows):
         calls.append(path)
@@ -332,10 +333,10 @@ def test_llama_cpp_distillation_resumes_without_duplicates(tiny_setup, tmp_path,
             raise KeyboardInterrupt
         real_append(path, rows)
 
-    monkeypatch.setattr(distill_mod, "_append", crash_after_first_batch)
+    monkeypatch.setattr(distill_mod, "append_rows", crash_after_first_batch)
     with pytest.raises(KeyboardInterrupt):
         distill(target, _distill_cfg(out, 6, **engine), progress=False)
-    monkeypatch.setattr(distill_mod, "_append", real_append)
+    monkeypatch.setattr(distill_mod, "append_rows", real_append)
     first = [row["id"] for row in read_rows(out)]
     assert 0 < len(first) < 6
     stats = distill(target, _distill_cfg(out, 6, **engine), progress=False)
@@ -355,7 +356,8 @@ def test_prompt_synthesis_through_llama_server_is_seeded(tiny_setup, tmp_path):
     """Synthesis candidates sampled in llama-server (temperature 1, one seed per request): the
     same seeds write the same text, and the filters judge it (this random tiny target never ends
     a turn within 4 tokens, so every candidate is 'cut at max_new_tokens')."""
-    from data.distill import DistillConfig, distill, read_rows
+    from data.distill import DistillConfig, distill
+    from data.parts import read_rows
     from data.synthesize import SynthesisSpec, candidates_path
 
     target, _, _, target_file, _ = tiny_setup
@@ -388,7 +390,8 @@ def test_distillation_refuses_mixing_backends(tiny_setup, tmp_path):
 def test_openai_backend_against_a_stand_in_server(tiny_llama, tmp_path):
     """Any OpenAI-compatible server (vLLM, SGLang): the rendered prompt goes out as text, the
     answer's text comes back and is tokenized; finish_reason "stop" means EOS."""
-    from data.distill import distill, read_rows
+    from data.distill import distill
+    from data.parts import read_rows
 
     with openai_stand_in(lambda body: "Hello there") as (url, seen):
         engine = {"backend": "openai", "server_url": url, "server_model": "m", "parallel": 2}
@@ -406,8 +409,9 @@ def test_server_slots_do_not_wait_for_a_slow_conversation(tiny_llama, tmp_path):
     import threading
     import time
 
-    from data.distill import distill, read_rows
+    from data.distill import distill
     from data.formats import read_prompts
+    from data.parts import read_rows
 
     arrived, lock = [], threading.Lock()
     first_prompt = read_prompts("data/corpora/oa_prompts_en/prompts.jsonl")[16]["turns"][0]

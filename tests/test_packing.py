@@ -278,7 +278,8 @@ def test_packed_collate_is_picklable_and_config_checks():
 
 
 def test_autocast_extraction_is_close_but_recorded(tmp_path):
-    from data.feature_cache import default_cache_dir, open_or_build_feature_cache
+    from data.feature_cache import open_or_build_feature_cache
+    from data.feature_cache_format import default_cache_dir
     from data.features import FeatureCacheMismatch, LazyFeatureDataset
 
     target = fresh_target()

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from data.distill import DistillConfig, distill, read_rows
+from data.distill import DistillConfig, distill
+from data.parts import read_rows
 from data.synthesize import (
     BLOCK,
     Deduplicator,
@@ -150,7 +151,7 @@ def test_user_turn_is_sampled_after_the_templates_user_header(writer):
 
 
 def test_resume_after_a_kill_gives_the_uninterrupted_result(writer, tmp_path, monkeypatch):
-    import data.distill as distill_mod
+    import data.synthesize as synthesize_mod
 
     synth = {"synthesize": 40, **LOOSE}  # 40 kept needs two blocks of 32 candidates
     (tmp_path / "whole").mkdir()
@@ -159,7 +160,7 @@ def test_resume_after_a_kill_gives_the_uninterrupted_result(writer, tmp_path, mo
 
     (tmp_path / "cut").mkdir()
     cut = cfg_for(tmp_path / "cut", synth)
-    real_append, calls = distill_mod._append, []
+    real_append, calls = synthesize_mod.append_rows, []
 
     def die_on_second_block(path, rows):
         calls.append(path)
@@ -167,10 +168,10 @@ def test_resume_after_a_kill_gives_the_uninterrupted_result(writer, tmp_path, mo
             raise KeyboardInterrupt
         real_append(path, rows)
 
-    monkeypatch.setattr(distill_mod, "_append", die_on_second_block)
+    monkeypatch.setattr(synthesize_mod, "append_rows", die_on_second_block)
     with pytest.raises(KeyboardInterrupt):
         distill(writer, cut, progress=False)
-    monkeypatch.setattr(distill_mod, "_append", real_append)
+    monkeypatch.setattr(synthesize_mod, "append_rows", real_append)
     spec = SynthesisSpec(**synth)
     written = list(read_rows(candidates_path(Path(cut.out), spec)))
     assert len(written) == BLOCK and not Path(cut.out).exists()
@@ -291,10 +292,10 @@ def test_data_config_takes_a_synthesis_entry():
 def test_writer_target_is_not_degenerate(writer):
     """The fixture's guard: its sampled turns are printable text that usually ends."""
     from data.chat import ChatEncoder
-    from data.distill import _Generator
+    from data.engines.hf_generation import HFGenerator
 
     cfg = DistillConfig(prompts=["x"], out="o.jsonl", max_new_tokens=40, batch_size=8)
-    gen = _Generator(writer, cfg, ChatEncoder(writer.tokenizer), [3])
+    gen = HFGenerator(writer, cfg, ChatEncoder(writer.tokenizer), [3])
     prefix = ChatEncoder(writer.tokenizer).user_prefix([])
     torch.manual_seed(0)
     answers = gen.generate([prefix] * 8, 0, temperature=1.0, top_p=1.0)

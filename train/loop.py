@@ -15,6 +15,9 @@ Under FSDP (version 2) the head's parameters are DTensor shards between steps. C
 gather the full weights and optimizer state collectively and write them from rank 0 (so they
 hold the same full tensors as without FSDP); validation, evaluators and head saving run on a
 full copy of the head that every process gathers for the purpose (`gathered_weights`).
+
+Beside the loop: train/accelerator.py builds the Accelerator, train/checkpointing.py writes and
+resumes checkpoints, train/validation.py validates and sums the logged statistics.
 """
 
 from __future__ import annotations
@@ -30,44 +33,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import Accelerator, DistributedDataParallelKwargs
-from accelerate.utils import DistributedType, broadcast_object_list, gather_object, set_seed
+from accelerate.utils import broadcast_object_list, set_seed
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from data.dataset import packed_collate
 from data.errors import NonFiniteError
-from heads.base import atomic_save_dir, check_finite
-from train.checkpoint import (
-    TrainState,
-    capture_rng_state,
-    checkpoint_root,
-    full_optimizer_state,
-    gathered_weights,
-    load_checkpoint,
-    load_head_state,
-    load_optimizer_state,
-    remap_position,
-    restore_rng_state,
-    save_checkpoint,
-)
-from train.config import TrainerConfig, resolve_mixed_precision
+from train.accelerator import make_accelerator, place_target
+from train.checkpoint import TrainState, gathered_weights
+from train.checkpointing import RunCheckpoints, checkpoint_record
+from train.config import TrainerConfig
 from train.features import batch_features, with_example_targets
 from train.optim import build_optimizer, build_scheduler, trainable_parameters
-from train.resume import (
-    apply_optimizer_settings,
-    check_explicit_checkpoint,
-    check_settings,
-    find_intact_checkpoint,
-    optimizer_settings,
-    run_record,
-)
-from train.rundir import HEAD_DIR, check_kept_head, write_manifest, write_run_config
+from train.rundir import check_kept_head, write_run_config
 from train.sampling import count_steps, epoch_batches, make_loader
 from train.selection import BestKeeper, Evaluator, run_evaluators
 from train.tracking import Tracker
-from train.validation import add_stats, evaluate_head, reduce_stats
+from train.validation import TrainWindow, add_stats, evaluate_head
 
 log = logging.getLogger(__name__)
 
@@ -114,19 +97,6 @@ class _HeadLoss(nn.Module):
         return out.loss, out.stats
 
 
-@dataclass
-class _Window:
-    """What happened since the last train log, on this process (tokens: all processes)."""
-
-    loss_sum: float = 0.0
-    micro_batches: int = 0
-    stats: dict[str, Tensor] = field(default_factory=dict)
-    tokens: int = 0
-    started: float = field(default_factory=time.perf_counter)
-    lr: float = 0.0
-    grad_norm: float | None = None
-
-
 class Trainer:
     """Trains `head` on `train_dataset` (items collated by `collate_fn`), see module docs.
 
@@ -156,8 +126,7 @@ class Trainer:
         self.cfg, self.run_dir, self.callbacks = cfg, Path(run_dir), list(callbacks)
         self.evaluators = list(evaluators)
         self.run_config = run_config
-        self.record = _run_record(run_config, cfg, data_sha1)
-        self.acc = acc = _make_accelerator(cfg)
+        self.acc = acc = make_accelerator(cfg)
         self.best = BestKeeper(run_dir, cfg.best_metric, cfg.best_mode, acc.is_main_process)
         set_seed(cfg.seed, device_specific=True)  # seed + process index
         self.head, self.target, self.layers = head, target, head.feature_layers()
@@ -169,7 +138,7 @@ class Trainer:
             partial(packed_collate, collate_fn, cfg.pack_tokens) if cfg.pack_tokens else collate_fn
         )
         if target is not None:
-            _place_target(target, acc.device)
+            place_target(target, acc.device)
         self.global_batch = cfg.batch_size * acc.num_processes
         self.batches_per_epoch, self.total_steps = count_steps(
             cfg, len(train_dataset), acc.num_processes
@@ -178,7 +147,10 @@ class Trainer:
         warmup = cfg.warmup_for(self.total_steps)
         self.scheduler = build_scheduler(optimizer, warmup, self.total_steps, cfg.min_lr_ratio)
         self.model, self.optimizer = acc.prepare(_HeadLoss(head), optimizer)
-        self._sharded = acc.distributed_type == DistributedType.FSDP
+        self.checkpoints = RunCheckpoints(
+            acc, self.model, self.optimizer, self.scheduler, head, self.run_dir, cfg,
+            checkpoint_record(run_config, cfg, data_sha1),
+        )  # fmt: skip
         self.state = TrainState(global_batch=self.global_batch)
         self._own_tracker = tracker is None
         self.tracker = tracker or Tracker(None, self.run_dir, is_main=acc.is_main_process)
@@ -201,7 +173,7 @@ class Trainer:
             dynamic_ncols=True,
             disable=not (cfg.progress and acc.is_main_process),
         )
-        window, evaluated_at, stopped = _Window(), -1, False
+        window, evaluated_at, stopped = TrainWindow(), -1, False
         checkpoint = resumed
         val: tuple[dict, dict] = ({}, {})
         while state.step < self.total_steps and not stopped:
@@ -243,7 +215,7 @@ class Trainer:
             elapsed_s=time.perf_counter() - started,
         )
 
-    def _train_step(self, stream: Iterator[dict], window: _Window) -> None:
+    def _train_step(self, stream: Iterator[dict], window: TrainWindow) -> None:
         """One optimizer update from `grad_accum` micro-batches."""
         acc = self.acc
         self.model.train()
@@ -374,125 +346,33 @@ class Trainer:
             found = run_evaluators(self.evaluators, head, self.target)
         return broadcast_object_list([found])[0]
 
-    def _log_train(self, window: _Window, bar: tqdm) -> _Window:
+    def _log_train(self, window: TrainWindow, bar: tqdm) -> TrainWindow:
         """Reduce the window over processes, log it, and start a new one."""
-        acc, state = self.acc, self.state
-        loss = torch.tensor(window.loss_sum / window.micro_batches, device=acc.device)
-        loss = float(acc.reduce(loss, "mean"))
-        elapsed = max(time.perf_counter() - window.started, 1e-9)
-        metrics = {
-            "train/loss": loss,
-            "train/lr": window.lr,
-            "train/tokens_per_s": window.tokens / elapsed,
-            "train/tokens": state.tokens,
-            "train/loss_tokens": state.loss_tokens,
-            "train/cpu_min": state.cpu_s / 60,
-            "train/epoch": state.epoch + state.batch_in_epoch / self.batches_per_epoch,
-        }
-        if window.grad_norm is not None:
-            metrics["train/grad_norm"] = window.grad_norm
-        for key, (total, count) in reduce_stats(acc, window.stats).items():
-            if key != "loss" and count > 0:  # the stats' "loss" would shadow the objective
-                metrics[f"train/{key}"] = total / count
-        self.tracker.log(metrics, state.step)
-        bar.set_postfix(
-            loss=f"{loss:.4f}", lr=f"{window.lr:.2e}", tok_s=f"{metrics['train/tokens_per_s']:.0f}"
-        )
+        metrics = window.metrics(self.acc, self.state, self.batches_per_epoch)
+        self.tracker.log(metrics, self.state.step)
+        loss, tok_s = metrics["train/loss"], metrics["train/tokens_per_s"]
+        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{window.lr:.2e}", tok_s=f"{tok_s:.0f}")
         self._last_loss = loss
-        return _Window()
+        return TrainWindow()
 
-    # ---- checkpoints ---------------------------------------------------------------------
+    # ---- checkpoints (train/checkpointing.py) ---------------------------------------------
 
     def save_checkpoint(self) -> Path:
         """Write `checkpoints/step_<N>` from the main process; every process must call this."""
-        acc = self.acc
-        # collective under ZeRO-3 / FSDP, where the full state dicts are filled on rank 0 only
-        full = acc.get_state_dict(self.model)
-        optimizer = full_optimizer_state(self.model, self.optimizer, self._sharded)
-        rng = gather_object([capture_rng_state()])  # one entry per process, rank order
-        if acc.is_main_process:
-            names = [n for n, _ in trainable_parameters(self.head)]
-            save_checkpoint(
-                self.run_dir,
-                self.state,
-                head={n: full[f"head.{n}"] for n in names},
-                optimizer=optimizer,
-                scheduler=self.scheduler.state_dict(),
-                rng=rng,
-                scaler=acc.scaler.state_dict() if acc.scaler is not None else None,
-                keep_last=self.cfg.keep_last,
-                run=self.record,
-            )
-        acc.wait_for_everyone()
-        return checkpoint_root(self.run_dir) / f"step_{self.state.step}"
+        return self.checkpoints.save(self.state)
 
     def resume(self) -> Path | None:
-        """Load the checkpoint `cfg.resume` names ("auto": the newest intact one in run_dir, if
-        any), after checking that this run's settings still fit it (train/resume.py)."""
-        found = self._choose_checkpoint()
+        """Continue from the checkpoint `cfg.resume` names, if any (RunCheckpoints.resume)."""
+        found = self.checkpoints.resume(self.global_batch)
         if found is None:
             return None
-        ckpt = load_checkpoint(found)
-        main = self.acc.is_main_process
-        changed = check_settings(
-            ckpt.run, self.record, self.cfg.allow_config_change, ckpt.path, verbose=main
-        )
-        fresh = optimizer_settings(self.optimizer, self.scheduler)
-        load_head_state(dict(trainable_parameters(self.head)), ckpt.head, ckpt.path)
-        load_optimizer_state(self.model, self.optimizer, ckpt.optimizer)
-        self.scheduler.load_state_dict(ckpt.scheduler)
-        if changed:
-            apply_optimizer_settings(self.optimizer, self.scheduler, fresh)
-        if ckpt.scaler is not None and self.acc.scaler is not None:
-            self.acc.scaler.load_state_dict(ckpt.scaler)
-        self.state = remap_position(ckpt.state, self.global_batch)
-        rank = self.acc.process_index
-        if rank >= len(ckpt.rng):
-            log.warning("checkpoint has RNG states for %d processes only", len(ckpt.rng))
-        restore_rng_state(ckpt.rng[rank % len(ckpt.rng)])
+        path, self.state = found
         self.tracker.rewind(self.state.step)
-        if main:
-            log.info("resumed from %s at step %d", ckpt.path, self.state.step)
-        return ckpt.path
-
-    def _choose_checkpoint(self) -> Path | None:
-        """The main process checks the candidates (it reads and hashes them); every process
-        follows its choice, or raises its error."""
-        resume = self.cfg.resume
-        if resume == "never":
-            return None
-        choice: str | Exception | None = None
-        if self.acc.is_main_process:
-            try:
-                found = (
-                    find_intact_checkpoint(self.run_dir)
-                    if resume == "auto"
-                    else check_explicit_checkpoint(resume)
-                )
-                choice = str(found) if found else None
-            except Exception as err:  # handed to every process, raised below
-                choice = err
-        choice = broadcast_object_list([choice])[0]
-        if isinstance(choice, Exception):
-            raise choice
-        return Path(choice) if choice else None
+        return path
 
     def save_head(self) -> Path:
-        """`head.save_pretrained(<run_dir>/head)` plus a manifest, on the main process,
-        atomically; weights holding inf/NaN are refused (NonFiniteError). Every process must
-        call this (under FSDP they gather the full head together)."""
-        path = self.run_dir / HEAD_DIR
-        with gathered_weights(self.head) as head:
-            if self.acc.is_main_process:
-                check_finite(head.state_dict(), path)
-
-                def write(tmp: Path) -> None:
-                    head.save_pretrained(tmp)
-                    write_manifest(tmp)
-
-                atomic_save_dir(path, write)
-            self.acc.wait_for_everyone()
-        return path
+        """`<run_dir>/head` with a manifest (RunCheckpoints.save_head); every process calls it."""
+        return self.checkpoints.save_head()
 
     def _to_device(self, batch: dict) -> dict:
         device = self.acc.device
@@ -529,83 +409,3 @@ def train(
         data_sha1=data_sha1,
     )
     return trainer.fit()
-
-
-def _run_record(config: dict | None, cfg: TrainerConfig, data_sha1: str | None) -> dict:
-    """What a checkpoint records (train/resume.py), without `pack_tokens`: packing changes
-    neither the data order nor the loss, so a run may resume with it switched on or off, and
-    checkpoints written before the setting existed still match."""
-    record = run_record(config, cfg, data_sha1)
-    record["config"]["trainer"].pop("pack_tokens", None)
-    return record
-
-
-def _make_accelerator(cfg: TrainerConfig) -> Accelerator:
-    # `accelerate launch --multi_gpu` on a machine without accelerators starts N processes
-    # that would each train alone; forcing CPU makes Accelerate join them over gloo.
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    cpu = cfg.cpu or (launched and not torch.accelerator.is_available())
-    ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.find_unused_parameters)
-    precision = resolve_mixed_precision(cfg.mixed_precision)
-    _release_other_precision(precision)
-    acc = Accelerator(
-        mixed_precision=precision,
-        gradient_accumulation_steps=cfg.grad_accum,
-        cpu=cpu,
-        kwargs_handlers=[ddp],
-    )
-    _check_sharding(acc)
-    _check_cpu_precision(acc)
-    return acc
-
-
-def _release_other_precision(precision: str) -> None:
-    """Accelerate keeps one precision per process and refuses another: a later run in the same
-    process (a notebook, a sweep, the tests) with another `trainer.mixed_precision` gets a fresh
-    AcceleratorState. The process group (PartialState) is kept; DeepSpeed sets its own."""
-    from accelerate.state import AcceleratorState
-
-    shared = AcceleratorState._shared_state
-    if not shared or shared.get("distributed_type") == DistributedType.DEEPSPEED:
-        return
-    if shared.get("_mixed_precision", precision) != precision:
-        AcceleratorState._reset_state()
-
-
-def _check_cpu_precision(acc: Accelerator) -> None:
-    """bf16 on a CPU runs the step under torch.autocast: fast with AMX or AVX512-BF16 (1.6-1.8x the
-    fp32 step on SmolLM2, docs/throughput.md), emulated and slower without."""
-    if acc.device.type != "cpu" or acc.mixed_precision != "bf16" or not acc.is_main_process:
-        return
-    if not (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()):
-        log.warning(
-            "trainer.mixed_precision=bf16 on a CPU without AMX or AVX512-BF16: bf16 matmuls "
-            "are emulated there and the step is likely slower than fp32; set "
-            "trainer.mixed_precision=no"
-        )
-
-
-def _check_sharding(acc: Accelerator) -> None:
-    """Say so when an FSDP config is not what runs; refuse FSDP version 1 (its flat
-    parameters are not DTensors, which is what the loop gathers and checkpoints)."""
-    wanted = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    if wanted and acc.distributed_type != DistributedType.FSDP and acc.is_main_process:
-        log.warning(
-            "an FSDP config was given, but Accelerate runs %s (it shards only on GPU-like "
-            "devices, not with cpu=True): every process holds and updates the whole head",
-            acc.distributed_type.value,
-        )
-    if acc.distributed_type == DistributedType.FSDP and not acc.is_fsdp2:
-        raise ValueError(
-            "FSDP version 1 is not supported by the training loop: set fsdp_config.fsdp_version"
-            ": 2 in the accelerate config (conf/accelerate/fsdp.yaml does)."
-        )
-
-
-def _place_target(target: Any, device: torch.device) -> None:
-    """Move the frozen target next to the head, unless it is already spread over devices."""
-    model = target.model
-    if getattr(model, "hf_device_map", None):
-        return
-    if next(model.parameters()).device != device:
-        model.to(device)

@@ -21,7 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 import heads
 from data.config import DataConfig
 from data.dataset import ExampleDataset, collate, corpus_stats
-from data.feature_cache import default_cache_dir, examples_sha1, open_or_build_feature_cache
+from data.feature_cache import open_or_build_feature_cache
+from data.feature_cache_format import default_cache_dir, examples_sha1
 from data.features import LazyFeatureDataset
 from data.paths import resolve_path
 from data.prepare import PreparedData, prepare_data

@@ -1,8 +1,11 @@
-"""Validation and the [sum, count] statistics heads report, summed over batches and processes."""
+"""Validation and the [sum, count] statistics heads report, summed over batches and processes;
+the training loop's log window (`TrainWindow`), which sums the training batches' the same way."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -67,3 +70,37 @@ def evaluate_head(
     totals = reduce_stats(acc, sums)
     metrics = {f"val/{k}": s / c for k, (s, c) in totals.items() if c > 0}
     return metrics, totals
+
+
+@dataclass
+class TrainWindow:
+    """What happened since the last train log, on this process (tokens: all processes)."""
+
+    loss_sum: float = 0.0
+    micro_batches: int = 0
+    stats: dict[str, Tensor] = field(default_factory=dict)
+    tokens: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    lr: float = 0.0
+    grad_norm: float | None = None
+
+    def metrics(self, acc: Accelerator, state, batches_per_epoch: int) -> dict[str, float]:
+        """The window's `train/*` metrics, reduced over processes (every process must call
+        this); `state`: the loop's TrainState (tokens, loss tokens, CPU time, data position)."""
+        loss = torch.tensor(self.loss_sum / self.micro_batches, device=acc.device)
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        metrics = {
+            "train/loss": float(acc.reduce(loss, "mean")),
+            "train/lr": self.lr,
+            "train/tokens_per_s": self.tokens / elapsed,
+            "train/tokens": state.tokens,
+            "train/loss_tokens": state.loss_tokens,
+            "train/cpu_min": state.cpu_s / 60,
+            "train/epoch": state.epoch + state.batch_in_epoch / batches_per_epoch,
+        }
+        if self.grad_norm is not None:
+            metrics["train/grad_norm"] = self.grad_norm
+        for key, (total, count) in reduce_stats(acc, self.stats).items():
+            if key != "loss" and count > 0:  # the stats' "loss" would shadow the objective
+                metrics[f"train/{key}"] = total / count
+        return metrics

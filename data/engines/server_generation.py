@@ -48,9 +48,9 @@ class ServerBackendConfig:
 
 
 class ServerGenerator:
-    """The server counterpart of data.distill's HF generator: `generate(prompts, seed)` gives
-    (answer ids without EOS, "eos" | "length") per prompt. A context manager: llama_cpp starts
-    its server on enter and stops it on exit."""
+    """The server counterpart of HFGenerator (data/engines/hf_generation.py): `generate(prompts,
+    seed)` gives (answer ids without EOS, "eos" | "length") per prompt. A context manager:
+    llama_cpp starts its server on enter and stops it on exit."""
 
     def __init__(
         self,

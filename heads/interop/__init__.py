@@ -31,35 +31,28 @@ Formats (`FORMATS`), each a folder with `config.json` and one weights file:
 `pytorch_model.bin`, a `model.` prefix) into our head classes, onto a given target.
 Medusa-2 heads adapt the target with LoRA, which no engine applies: only `native` is offered.
 
-The package: `export.py` writes the layouts, `load.py` reads them back.
+The package: `formats.py` names the layouts, `export.py` writes them, `load.py` reads them
+back (`checks.py`: the refusals every reader shares; `dflash.py`, `deepspec.py`: DFlash/DSpark).
 """
 
 from __future__ import annotations
 
-FORMATS = ("native", "eagle3", "eagle", "medusa", "medusa_fd", "dflash", "speculators")
-READ_FORMATS = (*FORMATS, "deepspec")  # what detect_format names and import_draft reads
-# The engine releases each layout was checked against (also written into config.json).
-ENGINE_VERSIONS = {
-    "eagle3": {"vllm": "0.33", "sglang": "0.5.23"},
-    "eagle": {"vllm": "0.33", "sglang": "0.5.23"},
-    "medusa": {"vllm": "0.32"},
-    "medusa_fd": {"FasterDecoding/Medusa": "main"},
-    "dflash": {"z-lab/dflash": "44947fb", "llama.cpp": "11434"},
-    "speculators": {"vllm-project/speculators": "c05b95b"},
-}
-WEIGHTS_NAME = "model.safetensors"
-MEDUSA_FD_WEIGHTS = "medusa_lm_head.safetensors"  # what FasterDecoding's train.py and TGI use
-WEIGHT_FILES = (WEIGHTS_NAME, MEDUSA_FD_WEIGHTS, "pytorch_model.bin", "medusa_lm_head.pt")
-
-# Below the constants: the submodules import them from here.
-from heads.interop.export import (  # noqa: E402
+from heads.interop.export import (
     engine_default_aux_layers,
     export_draft,
     export_notes,
     formats_for,
     serve_commands,
 )
-from heads.interop.load import (  # noqa: E402
+from heads.interop.formats import (
+    ENGINE_VERSIONS,
+    FORMATS,
+    MEDUSA_FD_WEIGHTS,
+    READ_FORMATS,
+    WEIGHT_FILES,
+    WEIGHTS_NAME,
+)
+from heads.interop.load import (
     detect_format,
     import_draft,
     load_tensors,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from heads.base import HeadMismatchError
 from heads.dspark import MARKOV_HEAD_TYPES, DSparkConfig, DSparkHead
+from heads.interop.checks import drop_target_copy
 from heads.interop.dflash import _block_size, _build, _check_sizes, _layer_ids, _mask_row, _spec_for
 
 DEEPSPEC_ARCHS = ("Qwen3DSparkModel",)
@@ -89,8 +90,6 @@ def _layers(doc: dict, target, path) -> list[int]:
 def import_deepspec(doc, tensors, target, path) -> DSparkHead:
     """A DeepSpec `Qwen3DSparkModel` folder as a DSparkHead on `target` (full vocabulary; the
     target's embedding and lm_head, whose copies in the file must equal the target's)."""
-    from heads.interop.load import _drop_target_copy
-
     _check_sizes(doc, tensors, target, path, doc)  # hidden and vocabulary sizes
     recorded = doc.get("num_target_layers")
     if recorded is not None and int(recorded) != target.num_layers:
@@ -104,7 +103,7 @@ def import_deepspec(doc, tensors, target, path) -> DSparkHead:
     mask_id = _int(doc, "mask_token_id", path)
     if not 0 <= mask_id < target.vocab_size:
         _refuse(path, f"mask_token_id {mask_id} is outside the target's {target.vocab_size} ids.")
-    _drop_target_copy(tensors, "lm_head.weight", target.lm_head.weight, path)
+    drop_target_copy(tensors, "lm_head.weight", target.lm_head.weight, path)
     vector = _mask_row(tensors, target, mask_id, doc, path)  # pops embed_tokens
     fields = {
         "num_layers": _int(doc, "num_hidden_layers", path),

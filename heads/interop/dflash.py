@@ -26,10 +26,18 @@ import torch
 from torch import Tensor
 
 from heads.base import CONFIG_NAME, HeadMismatchError, TargetInfo
-from heads.dflash import DFlashConfig, DFlashHead, build_target_layer_ids
+from heads.dflash import DFlashConfig, DFlashHead
+from heads.dflash_target import build_target_layer_ids
 from heads.draft_layer import LayerSpec
 from heads.dspark import DSparkConfig, DSparkHead
 from heads.folder import HeadFolderError
+from heads.interop.checks import (
+    check_geometry,
+    check_size,
+    drop_target_copy,
+    head_config,
+    load_strict,
+)
 from heads.vocab import d2t_t2d, saved_draft_ids
 
 ZLAB_ARCH = "DFlashDraftModel"
@@ -228,9 +236,7 @@ def _refuse(path, text: str):
 def _spec_for(doc: dict, target, path) -> tuple[LayerSpec, int | None]:
     """The target's layer spec after checking the file's Qwen3 keys against it; and the MLP
     width when it is not the target's (head.intermediate_size)."""
-    from heads.interop.load import _check_geometry
-
-    spec = _check_geometry({k: v for k, v in doc.items() if k != "intermediate_size"}, target, path)
+    spec = check_geometry({k: v for k, v in doc.items() if k != "intermediate_size"}, target, path)
     if doc.get("attention_bias"):
         _refuse(path, "its attention has biases (attention_bias=true); DFlashHead's has none.")
     kinds = set(doc.get("layer_types") or ["full_attention"])
@@ -247,13 +253,11 @@ def _spec_for(doc: dict, target, path) -> tuple[LayerSpec, int | None]:
 def _check_sizes(layer: dict, tensors: dict, target, path, doc: dict) -> None:
     """Refuse a draft for a target of another hidden or vocabulary size (`layer`: the Qwen3
     keys, `doc`: the whole config.json, which names the draft's own target)."""
-    from heads.interop.load import _check_size
-
     fc = tensors.get("fc.weight")
     if fc is None:
         _refuse(path, "no fc.weight: not a complete DFlash draft; export or download it again.")
-    _check_size("hidden_size", fc.shape[0], target, path, doc)
-    _check_size("vocab_size", layer.get("vocab_size") or target.vocab_size, target, path, doc)
+    check_size("hidden_size", fc.shape[0], target, path, doc)
+    check_size("vocab_size", layer.get("vocab_size") or target.vocab_size, target, path, doc)
 
 
 def _layer_ids(ids, target, path, what: str) -> list[int]:
@@ -270,15 +274,13 @@ def _layer_ids(ids, target, path, what: str) -> list[int]:
 
 def _build(doc, tensors, target, path, fmt, spec, **fields) -> DFlashHead:
     """A DFlashHead from `fields` (plus the exporter's recorded head_config) with `tensors`."""
-    from heads.interop.load import _config, _load_strict
-
     draft_ids = fields.pop("draft_ids", None)
     mask_vector = fields.pop("mask_vector", None)
     config_class = fields.pop("config_class", DFlashConfig)
     head_class = DSparkHead if config_class is DSparkConfig else DFlashHead
     V = target.vocab_size
     D = V if draft_ids is None else draft_ids.numel()
-    config = _config(config_class, doc, draft_vocab_size=D if D < V else None, **fields)
+    config = head_config(config_class, doc, draft_vocab_size=D if D < V else None, **fields)
     fc = tensors["fc.weight"]
     if fc.shape[1] != len(config.target_layer_ids) * target.hidden_size:
         _refuse(
@@ -301,7 +303,7 @@ def _build(doc, tensors, target, path, fmt, spec, **fields) -> DFlashHead:
             if mask_vector is None
             else (mask_vector.to(head.mask_embedding.dtype))
         )
-    _load_strict(head, tensors, path, fmt)
+    load_strict(head, tensors, path, fmt)
     return head
 
 
@@ -318,10 +320,8 @@ def _block_size(doc: dict, path) -> int:
 
 def import_zlab(doc, tensors, target, path) -> DFlashHead:
     """A z-lab DFlash folder (with or without mask_embedding.pt) as a DFlashHead."""
-    from heads.interop.load import _drop_target_copy
-
     _check_sizes(doc, tensors, target, path, doc)
-    _drop_target_copy(tensors, "lm_head.weight", target.lm_head.weight, path)
+    drop_target_copy(tensors, "lm_head.weight", target.lm_head.weight, path)
     spec, width = _spec_for(doc, target, path)
     dflash = doc.get("dflash_config") or {}
     recorded = doc.get("num_target_layers")
@@ -408,8 +408,6 @@ def _import_dspark_speculators(doc, tensors, target, path, layer):
 
 
 def _import_speculators_body(doc, tensors, target, path, layer, config_class, extra: dict):
-    from heads.interop.load import _drop_target_copy
-
     _check_sizes(layer, tensors, target, path, doc)
     spec, width = _spec_for(layer, target, path)
     for name in ("verifier_lm_head.weight", "verifier_norm.weight"):
@@ -431,7 +429,7 @@ def _import_speculators_body(doc, tensors, target, path, layer, config_class, ex
         if "t2d" in tensors and not torch.equal(tensors["t2d"].to(torch.bool).reshape(-1), t2d):
             _refuse(path, "t2d does not match d2t over the target's vocabulary.")
     else:
-        _drop_target_copy(tensors, "lm_head.weight", target.lm_head.weight, path)
+        drop_target_copy(tensors, "lm_head.weight", target.lm_head.weight, path)
         for name in ("d2t", "t2d"):
             tensors.pop(name, None)
     recorded = ((doc.get("draftsmith") or {}).get("head_config") or {}).get("learn_mask")

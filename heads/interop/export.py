@@ -16,8 +16,8 @@ from heads.draft_layer import LayerSpec
 from heads.eagle import EagleHead
 from heads.eagle3 import Eagle3Head
 from heads.folder import check_target
-from heads.interop import ENGINE_VERSIONS, FORMATS, MEDUSA_FD_WEIGHTS, WEIGHTS_NAME
 from heads.interop.dflash import export_speculators, export_zlab, mask_note
+from heads.interop.formats import ENGINE_VERSIONS, FORMATS, MEDUSA_FD_WEIGHTS, WEIGHTS_NAME
 from heads.medusa import MedusaHeads
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,6 @@ heads/interop/__init__.py for the formats)."""
 
 from __future__ import annotations
 
-import dataclasses
 import pickle
 import re
 from pathlib import Path
@@ -13,14 +12,22 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from heads.base import CONFIG_NAME, HeadMismatchError, TargetInfo
-from heads.draft_layer import LayerSpec
 from heads.eagle import EagleConfig, EagleHead
 from heads.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers
 from heads.folder import OWN_KEYS, HeadFolderError, check_target, read_json, read_safetensors
-from heads.interop import READ_FORMATS, WEIGHT_FILES
+from heads.interop.checks import (
+    check_geometry,
+    check_size,
+    drop_target_copy,
+    head_config,
+    load_strict,
+    source_name,
+)
 from heads.interop.deepspec import DEEPSPEC_ARCHS, import_deepspec
 from heads.interop.dflash import ZLAB_ARCH, import_speculators, import_zlab, speculators_kind
+from heads.interop.formats import READ_FORMATS, WEIGHT_FILES
 from heads.medusa import MedusaConfig, MedusaHeads
+from heads.registry import load_native
 from heads.vocab import d2t_t2d, saved_draft_ids
 
 # ---- reading folders -------------------------------------------------------------------------
@@ -136,28 +143,21 @@ def import_draft(path, target, allow_other_target: bool = False):
     fingerprint, which must match unless `allow_other_target`."""
     fmt = detect_format(path)
     if fmt == "native":
-        import heads
-
-        return heads.from_pretrained(path, target, allow_other_target=allow_other_target)
+        return load_native(path, target, allow_other_target=allow_other_target)
     doc = read_config(path)
     tensors = load_tensors(path)
     if fmt not in ("speculators", "deepspec"):  # these may keep a MASK row in embed_tokens
-        _drop_target_copy(tensors, "embed_tokens.weight", target.embed_tokens.weight, path)
+        drop_target_copy(tensors, "embed_tokens.weight", target.embed_tokens.weight, path)
     head = _IMPORTERS[fmt](doc, tensors, target, Path(path))  # refuses other sizes first
     _check_recorded_target(doc, target, path, allow_other_target)
     return head
-
-
-def _source(doc: dict) -> str:
-    info = doc.get("draftsmith") or {}
-    return str(info.get("base_model") or doc.get("base_model_name_or_path") or "its base model")
 
 
 def _check_recorded_target(doc: dict, target, path, allow_other_target: bool) -> None:
     """Refuse a draftsmith export whose recorded target is another model (check_target)."""
     recorded = (doc.get("draftsmith") or {}).get("target_fingerprint")
     if recorded:
-        saved = TargetInfo(name_or_path=_source(doc), fingerprint=str(recorded))
+        saved = TargetInfo(name_or_path=source_name(doc), fingerprint=str(recorded))
         check_target(saved, target, path, dims=(), allow_other_target=allow_other_target)
 
 
@@ -168,81 +168,6 @@ def _doc_int(doc: dict, key: str, path, fmt: str) -> int:
             "the file is incomplete: download or export the draft again."
         )
     return doc[key]
-
-
-def _check_size(what: str, have: int, target, path, doc) -> None:
-    want = getattr(target, what)
-    if int(have) != want:
-        raise HeadMismatchError(
-            f"{path}: the draft has {what}={have} but the target {target.name_or_path!r} has "
-            f"{want}: it is a draft for another model ({_source(doc)}). Load it onto the model "
-            "it was trained for, or train a draft for this target."
-        )
-
-
-def _drop_target_copy(tensors: dict, name: str, ours: Tensor, path) -> None:
-    """Drop a saved copy of a target tensor (our heads use the target's own); refuse a copy
-    that differs (the draft was trained with another embedding / lm_head)."""
-    if name not in tensors:
-        return
-    saved, ours = tensors.pop(name).float(), ours.detach().float().cpu()
-    if saved.shape != ours.shape or not torch.allclose(saved, ours, rtol=1e-2, atol=1e-3):
-        raise HeadMismatchError(
-            f"{path}: its {name} differs from the target's: draftsmith's heads always use the "
-            "target's own, so this draft was trained for another target (or trained that "
-            "tensor). Load it onto the model it was trained for."
-        )
-
-
-def _load_strict(module, tensors: dict, path, fmt: str, optional=()) -> None:
-    """Copy `tensors` into `module`: every tensor named and shaped as the module's."""
-    own = module.state_dict()
-    missing = sorted(k for k in own if k not in tensors and k not in optional)
-    unexpected = sorted(k for k in tensors if k not in own)
-    shapes = [
-        f"{k}: file {tuple(tensors[k].shape)}, head {tuple(own[k].shape)}"
-        for k in sorted(own)
-        if k in tensors and tensors[k].shape != own[k].shape
-    ]
-    if missing:
-        raise HeadMismatchError(
-            f"{path}: this {fmt} draft lacks {len(missing)} tensors, e.g. {missing[:4]}; "
-            "the file is incomplete or from another layout: export it again."
-        )
-    if unexpected or shapes:
-        raise HeadMismatchError(
-            f"{path}: tensors that do not fit a draftsmith {fmt} head (unknown: {unexpected[:4]}; "
-            f"other shapes: {shapes[:4]}): the draft's architecture differs from ours."
-        )
-    module.load_state_dict(tensors, strict=False)
-
-
-def _config(cls, doc: dict, **fields):
-    """Our config: the exporter's head_config when recorded, with `fields` taken from the file."""
-    known = {f.name for f in dataclasses.fields(cls)}
-    saved = ((doc.get("draftsmith") or {}).get("head_config")) or {}
-    return cls(**({k: v for k, v in saved.items() if k in known} | fields))
-
-
-def _check_geometry(doc: dict, target, path) -> LayerSpec:
-    """The target's draft-layer spec, after refusing a file whose layer is shaped otherwise."""
-    spec = LayerSpec.from_hf_config(target.model.config)
-    want = {
-        "num_attention_heads": spec.num_heads,
-        "num_key_value_heads": spec.num_kv_heads,
-        "head_dim": spec.head_dim,
-        "intermediate_size": spec.intermediate_size,
-        "rope_theta": spec.rope_parameters.get("rope_theta"),
-    }
-    rope = doc.get("rope_parameters") or {}
-    have = dict(doc, rope_theta=doc.get("rope_theta", rope.get("rope_theta")))
-    bad = {k: (have[k], v) for k, v in want.items() if have.get(k) is not None and have[k] != v}
-    if bad:
-        raise HeadMismatchError(
-            f"{path}: the draft layer differs from the target's {bad} (file, target): draftsmith "
-            "builds the draft layer from the target's config. Load it onto its own target."
-        )
-    return spec
 
 
 def _need(tensors: dict, name: str, path, fmt: str) -> Tensor:
@@ -258,7 +183,7 @@ def _aux_layers(doc: dict, target, path) -> list[int]:
     if any(not 0 <= i < target.num_layers for i in layers):
         raise HeadMismatchError(
             f"{path}: aux layers {layers} do not exist in the {target.num_layers}-layer target "
-            f"{target.name_or_path!r}: it is a draft for another model ({_source(doc)})."
+            f"{target.name_or_path!r}: it is a draft for another model ({source_name(doc)})."
         )
     return [int(i) for i in layers]
 
@@ -266,9 +191,9 @@ def _aux_layers(doc: dict, target, path) -> list[int]:
 def _import_eagle3(doc, tensors, target, path):
     H, V = target.hidden_size, target.vocab_size
     fc = _need(tensors, "fc.weight", path, "eagle3")
-    _check_size("hidden_size", fc.shape[0], target, path, doc)
-    _check_size("vocab_size", doc.get("vocab_size") or V, target, path, doc)
-    spec = _check_geometry(doc, target, path)
+    check_size("hidden_size", fc.shape[0], target, path, doc)
+    check_size("vocab_size", doc.get("vocab_size") or V, target, path, doc)
+    spec = check_geometry(doc, target, path)
     aux = _aux_layers(doc, target, path)
     if fc.shape[1] != len(aux) * H:
         raise HeadMismatchError(
@@ -284,11 +209,11 @@ def _import_eagle3(doc, tensors, target, path):
     if "t2d" in tensors and not torch.equal(tensors["t2d"].to(torch.bool).reshape(-1), t2d):
         raise HeadMismatchError(
             f"{path}: t2d {tuple(tensors['t2d'].shape)} does not match d2t over the target's "
-            f"{V} tokens: a draft for another vocabulary ({_source(doc)})."
+            f"{V} tokens: a draft for another vocabulary ({source_name(doc)})."
         )
     tensors["d2t"], tensors["t2d"] = d2t, t2d
     D = V if draft_ids is None else draft_ids.numel()
-    config = _config(Eagle3Config, doc, aux_layers=aux, draft_vocab_size=D if D < V else None)
+    config = head_config(Eagle3Config, doc, aux_layers=aux, draft_vocab_size=D if D < V else None)
     head = Eagle3Head(
         config,
         TargetInfo.of(target),
@@ -298,24 +223,24 @@ def _import_eagle3(doc, tensors, target, path):
         draft_ids,
     )
     # a full-vocabulary draft without lm_head borrows the target's (Eagle3Head starts from it)
-    _load_strict(head, tensors, path, "eagle3", optional=("lm_head.weight",) if D == V else ())
+    load_strict(head, tensors, path, "eagle3", optional=("lm_head.weight",) if D == V else ())
     return head
 
 
 def _import_eagle(doc, tensors, target, path):
     H = target.hidden_size
     fc = _need(tensors, "fc.weight", path, "eagle")
-    _check_size("hidden_size", fc.shape[0], target, path, doc)
-    _check_size("vocab_size", doc.get("vocab_size") or target.vocab_size, target, path, doc)
-    spec = _check_geometry(doc, target, path)
-    _drop_target_copy(tensors, "lm_head.weight", target.lm_head.weight, path)  # vLLM-converted
+    check_size("hidden_size", fc.shape[0], target, path, doc)
+    check_size("vocab_size", doc.get("vocab_size") or target.vocab_size, target, path, doc)
+    spec = check_geometry(doc, target, path)
+    drop_target_copy(tensors, "lm_head.weight", target.lm_head.weight, path)  # vLLM-converted
     tensors.setdefault("fc.bias", torch.zeros(H, dtype=fc.dtype))
     input_norm = "layers.0.input_layernorm.weight" in tensors
-    config = _config(EagleConfig, doc, input_norm=input_norm)
+    config = head_config(EagleConfig, doc, input_norm=input_norm)
     head = EagleHead(
         config, TargetInfo.of(target), spec, target.embed_tokens.weight, target.lm_head.weight
     )
-    _load_strict(head, tensors, path, "eagle")
+    load_strict(head, tensors, path, "eagle")
     return head
 
 
@@ -325,8 +250,8 @@ def _import_medusa(doc, tensors, target, path):
         _doc_int(doc, "num_heads", path, "medusa"),
         _doc_int(doc, "num_hidden_layers", path, "medusa"),
     )
-    _check_size("hidden_size", doc.get("hidden_size") or target.hidden_size, target, path, doc)
-    _check_size("vocab_size", doc.get("vocab_size") or V, target, path, doc)
+    check_size("hidden_size", doc.get("hidden_size") or target.hidden_size, target, path, doc)
+    check_size("vocab_size", doc.get("vocab_size") or V, target, path, doc)
     D = int(doc.get("truncated_vocab_size") or V)
     token_map = tensors.pop("token_map", None)
     draft_ids = order = None
@@ -362,10 +287,10 @@ def _import_medusa_fd(doc, tensors, target, path):
     rows = {h: tensors.pop(f"{h}.{L}.weight") for h in range(K) if f"{h}.{L}.weight" in tensors}
     first = next(iter(rows.values()), None)
     if first is not None:
-        _check_size("hidden_size", first.shape[1], target, path, doc)
-        _check_size("vocab_size", first.shape[0], target, path, doc)
+        check_size("hidden_size", first.shape[1], target, path, doc)
+        check_size("vocab_size", first.shape[0], target, path, doc)
     elif "0.0.linear.weight" in tensors:
-        _check_size("hidden_size", tensors["0.0.linear.weight"].shape[0], target, path, doc)
+        check_size("hidden_size", tensors["0.0.linear.weight"].shape[0], target, path, doc)
     ours = {f"blocks.{k}": v for k, v in tensors.items()}
     return _medusa_head(doc, target, path, "medusa_fd", ours, rows, None, K, L)
 
@@ -384,7 +309,7 @@ def _medusa_head(doc, target, path, fmt, tensors, rows, draft_ids, K, L):
             f"{path}: this {fmt} draft lacks the projection of heads {missing}."
         )
     D = target.vocab_size if draft_ids is None else draft_ids.numel()
-    config = _config(
+    config = head_config(
         MedusaConfig,
         doc,
         num_heads=K,
@@ -396,7 +321,7 @@ def _medusa_head(doc, target, path, fmt, tensors, rows, draft_ids, K, L):
     if not share:
         tensors |= {f"proj.{h}": w for h, w in rows.items()}
     tensors |= {"d2t": head.d2t, "t2d": head.t2d}
-    _load_strict(head, tensors, path, fmt)
+    load_strict(head, tensors, path, fmt)
     return head
 
 

@@ -1,0 +1,1 @@
+"""Studies that train drafts and measure them: each module one study, run by its script."""
