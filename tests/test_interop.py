@@ -162,6 +162,8 @@ def test_eagle3_schema(llama6, tmp_path):
         **LLAMA_KEYS,
         "draft_vocab_size": 50,
         "norm_before_residual": False,
+        "fc_norm": False,
+        "norm_output": False,
     }
     assert returned == {**config, "draftsmith": provenance}
     assert provenance["format"] == "eagle3" and provenance["base_model"] == "tiny-llama6"
@@ -270,6 +272,36 @@ def test_eagle3_round_trip(tiny_target, tmp_path, draft_vocab_size):
     back = _round_trip(head, tiny_target, "eagle3", tmp_path)
     assert back.config == head.config
     _same_eagle_outputs(head, back)
+
+
+# Source: speculators PR #610 / #670 (Eagle3SpeculatorConfig fc_norm, norm_output; fc_norm a
+# ModuleList of one RMSNorm per aux layer), vLLM llama_eagle3.py (getattr(config, "fc_norm"),
+# "norm_output"; PR #42764) and SGLang llama_eagle3.py (config.norm_output).
+@pytest.mark.parametrize(("fc_norm", "norm_output"), [(True, False), (False, True), (True, True)])
+def test_eagle3_31_switches_export_and_import(llama6, tmp_path, fc_norm, norm_output):
+    head = _eagle3(llama6, draft_vocab_size=50, fc_norm=fc_norm, norm_output=norm_output)
+    interop.export_draft(head, llama6, "eagle3", tmp_path / "e3")
+    config, _, shapes, _ = _files(tmp_path / "e3")
+    assert config["fc_norm"] is fc_norm and config["norm_output"] is norm_output
+    norms = {f"fc_norm.{i}.weight": (F32, (H,)) for i in range(3)} if fc_norm else {}
+    assert {k: v for k, v in shapes.items() if k.startswith("fc_norm")} == norms
+    # an engine-written folder has no draftsmith block: the switches come from the config keys
+    file = tmp_path / "e3" / "config.json"
+    file.write_text(
+        json.dumps({k: v for k, v in json.loads(file.read_text()).items() if k != "draftsmith"})
+    )
+    back = interop.import_draft(tmp_path / "e3", llama6)
+    assert (back.config.fc_norm, back.config.norm_output) == (fc_norm, norm_output)
+    _same_tensors(head, back)
+    _same_eagle_outputs(head, back)
+
+
+def test_eagle3_import_refuses_norm_variants_it_does_not_build(llama6, tmp_path):
+    interop.export_draft(_eagle3(llama6), llama6, "eagle3", tmp_path / "e3")
+    file = tmp_path / "e3" / "config.json"
+    file.write_text(json.dumps(json.loads(file.read_text()) | {"norm_before_residual": True}))
+    with pytest.raises(HeadMismatchError, match="norm_before_residual"):
+        interop.import_draft(tmp_path / "e3", llama6)
 
 
 def test_eagle_round_trip(tiny_target, tmp_path):

@@ -166,6 +166,9 @@ def _export_eagle3(head: Eagle3Head, target):
     config = {"architectures": ["LlamaForCausalLMEagle3"], **_llama_keys(head, target)}
     config["draft_vocab_size"] = head.draft_vocab_size
     config["norm_before_residual"] = False
+    # EAGLE-3.1 switches, read by vLLM's and SGLang's llama_eagle3 (fc_norm.{i}.weight tensors)
+    config["fc_norm"] = bool(head.config.fc_norm)
+    config["norm_output"] = bool(head.config.norm_output)
     if aux != engine_default_aux_layers(target.num_layers):
         # vLLM reads HF hidden_states indices; SGLang captures layer id + 1, hence the - 1.
         config["eagle_aux_hidden_state_layer_ids"] = aux

@@ -288,7 +288,19 @@ def _import_eagle3(doc, tensors, target, path):
         )
     tensors["d2t"], tensors["t2d"] = d2t, t2d
     D = V if draft_ids is None else draft_ids.numel()
-    config = _config(Eagle3Config, doc, aux_layers=aux, draft_vocab_size=D if D < V else None)
+    if doc.get("norm_before_residual") or doc.get("norm_before_fc"):
+        raise HeadMismatchError(
+            f"{path}: norm_before_residual / norm_before_fc are set, variants draftsmith's EAGLE-3 "
+            "head does not build (it has fc_norm and norm_output); serve it in vLLM or SGLang."
+        )
+    config = _config(
+        Eagle3Config,
+        doc,
+        aux_layers=aux,
+        draft_vocab_size=D if D < V else None,
+        fc_norm=bool(doc.get("fc_norm", False)),
+        norm_output=bool(doc.get("norm_output", False)),
+    )
     head = Eagle3Head(
         config,
         TargetInfo.of(target),
