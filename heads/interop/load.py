@@ -20,6 +20,7 @@ from heads.folder import OWN_KEYS, HeadFolderError, check_target, read_json, rea
 from heads.interop import READ_FORMATS, WEIGHT_FILES
 from heads.interop.deepspec import DEEPSPEC_ARCHS, import_deepspec
 from heads.interop.dflash import ZLAB_ARCH, import_speculators, import_zlab, speculators_kind
+from heads.interop.eagle3 import flat_eagle3_doc, is_speculators_eagle3
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.vocab import d2t_t2d, saved_draft_ids
 
@@ -87,6 +88,8 @@ def detect_format(path) -> str:
         return "native"
     if ZLAB_ARCH in archs:
         return "dflash"
+    if is_speculators_eagle3(doc):
+        return "speculators"
     if speculators_kind(doc):
         return speculators_kind(doc)
     if any(a in DEEPSPEC_ARCHS for a in archs):
@@ -412,12 +415,22 @@ def _medusa_head(doc, target, path, fmt, tensors, rows, draft_ids, K, L):
     return head
 
 
+def _import_speculators(doc, tensors, target, path):
+    """speculators' Eagle3Speculator, DFlashSpeculator or DSparkSpeculator folder."""
+    if not is_speculators_eagle3(doc):
+        return import_speculators(doc, tensors, target, path)
+    _drop_target_copy(tensors, "embed_tokens.weight", target.embed_tokens.weight, path)
+    for name in ("verifier_lm_head.weight", "verifier_norm.weight"):
+        tensors.pop(name, None)
+    return _import_eagle3(flat_eagle3_doc(doc), tensors, target, path)
+
+
 _IMPORTERS = {
     "eagle3": _import_eagle3,
     "eagle": _import_eagle,
     "medusa": _import_medusa,
     "medusa_fd": _import_medusa_fd,
     "dflash": import_zlab,
-    "speculators": import_speculators,
+    "speculators": _import_speculators,
     "deepspec": import_deepspec,
 }
