@@ -26,7 +26,10 @@ h_t = fc([n_a(a_t); n_b(b_t); n_c(c_t)]), which evens out the layers' very diffe
 of the layer's residual output, in training-time test and when drafting alike, so the state fed
 back keeps one scale however deep the draft goes. Training may add noise to the target features
 fc reads (`feature_noise`, EAGLE-1's and HASS's augmentation): the draft then learns from inputs
-as imperfect as its own later steps are.
+as imperfect as its own later steps are. Two loss variants: `mask_after_miss` (GRIFFIN-style)
+trains step i only on rows whose steps 0..i-1 all predicted the target's top-1, the rows a greedy
+chain reaches (the stats `step{i}/chain_top1`, logged always, are the accuracy there: a chain's
+acceptance at each depth); `hass_topk` adds HASS's top-K distillation term.
 
 Loss positions: row t at step i counts when x_{t+i+2} is an assistant token and (as in
 SpecForge) the target's own greedy token there lies inside the draft vocabulary: where it does
@@ -86,6 +89,13 @@ class Eagle3Config:
     # N(0, a^2), a = feature_noise. 0 disables.
     feature_noise: float = 0.0
     feature_noise_type: str = "uniform"
+    # GRIFFIN-style: step i trains only on rows whose steps 0..i-1 all predicted the target's
+    # top-1 (the rows a greedy chain would reach); the stats still cover every row
+    mask_after_miss: bool = False
+    # HASS's top-K distillation: add hass_weight * -sum over the target's top hass_topk tokens
+    # of p log q to each step's loss (HASS: K = 10, weight 1); 0 disables
+    hass_topk: int = 0
+    hass_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.aux_layers is not None:
@@ -102,6 +112,11 @@ class Eagle3Config:
             raise ValueError(f"head.topk={self.topk}: use 1 or more.")
         if not self.feature_noise >= 0:
             raise ValueError(f"head.feature_noise={self.feature_noise}: use >= 0 (0 disables).")
+        if self.hass_topk < 0 or not self.hass_weight >= 0:
+            raise ValueError(
+                f"head.hass_topk={self.hass_topk}, head.hass_weight={self.hass_weight}: use 0 or "
+                "more for both (hass_topk=0 disables the term)."
+            )
         if self.feature_noise_type not in NOISE_TYPES:
             raise ValueError(
                 f"head.feature_noise_type={self.feature_noise_type!r}: use one of "
@@ -142,7 +157,7 @@ class Eagle3Head(nn.Module):
     config_class = Eagle3Config
     title = "EAGLE-3 draft layer"
     hub_tag = "eagle3"
-    export_formats = ("native", "eagle3")
+    export_formats = ("native", "eagle3", "speculators")
     export_note = ""
     drafting = FeatureDrafter
     uses_target_features = True
@@ -364,6 +379,9 @@ class Eagle3Head(nn.Module):
         total = hidden.sum() * 0.0  # keeps every parameter in the graph (DDP) if nothing counts
         stats: dict[str, Tensor] = {}
         k = min(self.config.topk, self.draft_vocab_size)
+        # row t at step i lies on a drafted chain a greedy verifier would still be following:
+        # steps 0..i-1 of row t all predicted the target's top-1
+        on_chain = torch.ones(B, T, dtype=torch.bool, device=device)
         for i in range(self.config.ttt_steps):
             tokens = shift_left(ids, i + 1)  # row t: x_{t+i+1}
             mask = ttt_attention_mask(T, i, device, segments)
@@ -373,19 +391,41 @@ class Eagle3Head(nn.Module):
             valid = label_mask(batch, i + 2) & shift_left(usable, i + 1)
             want = probs[shift_left(index, i + 1)[valid]]  # (N, D)
             logits = self.logits(hidden[valid]).float()  # (N, D)
-            ce = -(want * logits.log_softmax(-1)).sum(-1)  # (N,)
-            n = ce.shape[0]
-            if n:
-                total = total + self.config.decay**i * ce.mean()
+            logp = logits.log_softmax(-1)
+            ce = -(want * logp).sum(-1)  # (N,)
+            reached = on_chain[valid]  # (N,)
+            counted = reached if self.config.mask_after_miss else torch.ones_like(reached)
+            if counted.any():
+                step_loss = ce[counted].mean() + self._topk_term(want[counted], logp[counted])
+                total = total + self.config.decay**i * step_loss
             top1, topk = topk_hits(logits, want.argmax(-1), k)
+            hit = logits.argmax(-1) == want.argmax(-1)  # (N,)
+            n = ce.shape[0]
             stats[f"step{i}/loss"] = stat_pair(ce.detach().sum(), n, device)
             stats[f"step{i}/top1"] = stat_pair(top1, n, device)
             stats[f"step{i}/top{k}"] = stat_pair(topk, n, device)
+            # accuracy where the chain got this far: a chain's acceptance at depth i+1
+            stats[f"step{i}/chain_top1"] = stat_pair(
+                (hit & reached).sum().float(), int(reached.sum()), device
+            )
+            on_chain = torch.zeros_like(on_chain).masked_scatter(valid, reached & hit)
         # the first drafted token's accuracy, the same quantity as Medusa's head0
         stats["head0/top1"] = stats["step0/top1"]
         stats[f"head0/top{k}"] = stats[f"step0/top{k}"]
         stats["loss"] = stat_pair(total.detach(), 1, device)
         return LossOutput(total, stats)
+
+    def _topk_term(self, want: Tensor, logp: Tensor) -> Tensor:
+        """HASS's top-K distillation term (Zhang et al., 2024, "Learning Harmonized
+        Representations for Speculative Sampling"): hass_weight * mean over rows of
+        -sum over the target's K likeliest tokens of p log q, which weighs the tokens a verifier
+        is likely to accept above the tail. Zero when hass_topk is 0."""
+        K = min(self.config.hass_topk, want.shape[-1])
+        if not K or not want.shape[0]:
+            return logp.new_zeros(())
+        top = want.topk(K, dim=-1)  # (N, K)
+        term = -(top.values * logp.gather(-1, top.indices)).sum(-1)  # (N,)
+        return self.config.hass_weight * term.mean()
 
     # ---- checkpoints ---------------------------------------------------------------------
 

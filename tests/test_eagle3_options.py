@@ -1,6 +1,7 @@
-"""EAGLE-3 training candidates as head options: EAGLE-3.1's `fc_norm` and `norm_output`, and
-feature noise. Shapes, the training-time-test unroll against drafting, a loss that falls, save and
-load (old config.json files too), lossless greedy decoding, and the GGUF refusal."""
+"""EAGLE-3 training candidates as head options: EAGLE-3.1's `fc_norm` and `norm_output`, feature
+noise, GRIFFIN-style chain masking (`mask_after_miss`) and HASS's top-K term. Shapes, the
+training-time-test unroll against drafting, the loss against a row-by-row reference, a loss that
+falls, save and load (old config.json files too), lossless greedy decoding, the GGUF refusal."""
 
 from __future__ import annotations
 
@@ -174,6 +175,7 @@ def test_ttt_unroll_equals_drafting_a_chain(tiny_llama, options):
         *OPTIONS,
         {"fc_norm": True, "norm_output": True, "feature_noise": 0.2},
         {"feature_noise": 0.1, "feature_noise_type": "gaussian"},
+        {"mask_after_miss": True, "hass_topk": 5},
     ],
 )
 def test_loss_falls_with_the_options_on(tiny_llama, options):
@@ -217,11 +219,81 @@ def test_feature_noise_only_while_training_and_of_its_size(tiny_llama, kind):
     assert torch.equal(_head(tiny_llama).noisy(torch.ones(3)), torch.ones(3))
 
 
+def _reference_loss(head, target, batch, steps):
+    """The TTT loss recomputed row by row from the unrolled logits (B = 1, full vocabulary):
+    (total, per step: counted rows, chain hits, chain rows)."""
+    ids, T = batch["input_ids"], batch["input_ids"].shape[1]
+    feats = _features(head, target, batch)
+    with torch.no_grad():
+        probs = torch.softmax(feats["hidden"] @ head.target_lm_head.T, -1)[0]  # (T, V)
+        cache, hidden, logps = DraftCache(), head.target_hidden(feats), []
+        for i in range(steps):
+            tokens = torch.zeros_like(ids)
+            tokens[:, : T - i - 1] = ids[:, i + 1 :]
+            mask = ttt_attention_mask(T, i)[None, None]
+            hidden = head.draft_hidden(tokens, hidden, torch.arange(T)[None] + i, cache, mask)
+            logps.append(head.logits(hidden)[0].float().log_softmax(-1))
+    c = head.config
+    total, on_chain, rows = 0.0, [True] * T, []
+    for i, logp in enumerate(logps):
+        valid = [t + i + 2 < T and bool(batch["loss_mask"][0, t + i + 2]) for t in range(T)]
+        counted, losses, hits = [], [], []
+        for t in (t for t in range(T) if valid[t]):
+            want = probs[t + i + 1]
+            hit = int(logp[t].argmax()) == int(want.argmax())
+            if on_chain[t] or not c.mask_after_miss:
+                loss = -(want * logp[t]).sum()
+                if c.hass_topk:
+                    top = want.topk(c.hass_topk)
+                    loss = loss - c.hass_weight * (top.values * logp[t][top.indices]).sum()
+                losses.append(loss)
+                counted.append(t)
+            hits.append((t, hit))
+        chain = [(t, h) for t, h in hits if on_chain[t]]
+        rows.append((len(counted), sum(h for _, h in chain), len(chain)))
+        if losses:
+            total += c.decay**i * torch.stack(losses).mean()
+        on_chain = [valid[t] and on_chain[t] and dict(hits).get(t, False) for t in range(T)]
+    return total, rows
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"mask_after_miss": True}, {"hass_topk": 4, "hass_weight": 0.5},
+     {"mask_after_miss": True, "hass_topk": 3, "norm_output": True}],
+)  # fmt: skip
+def test_chain_masking_and_topk_term_match_a_row_by_row_reference(tiny_llama, options):
+    with torch.no_grad():
+        tiny_llama.lm_head.weight.mul_(40.0)  # a sharp target, learnt in a few steps
+    head = _head(tiny_llama, ttt_steps=3, decay=0.7, **options)
+    batch = _batch(T=14, B=1, start=3)
+    feats = _features(head, tiny_llama, batch)
+    opt = torch.optim.Adam(head.parameters(), lr=1e-2)
+    for _ in range(25):  # fit the batch: most steps right, so chains run on
+        opt.zero_grad()
+        head.loss(batch, feats).loss.backward()
+        opt.step()
+    head.eval()
+    out = head.loss(batch, feats)
+    want, rows = _reference_loss(head, tiny_llama, batch, 3)
+    assert torch.allclose(out.loss, torch.as_tensor(want), atol=1e-5)
+    for i, (counted, hits, reached) in enumerate(rows):
+        assert out.stats[f"step{i}/chain_top1"].tolist() == [hits, reached], i
+        if not head.config.mask_after_miss:
+            assert counted == int(out.stats[f"step{i}/loss"][1])
+    assert torch.equal(out.stats["step0/chain_top1"], out.stats["step0/top1"])
+    # a chain goes on from step-0 hits (bar row T-3, which has no step-1 label)
+    assert rows[0][1] - 1 <= rows[1][2] <= rows[0][1] and rows[2][2] <= rows[1][1]
+    assert 0 < rows[2][2] < rows[1][2] < rows[0][2]
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="feature_noise="):
         Eagle3Config(feature_noise=-0.1)
     with pytest.raises(ValueError, match="feature_noise_type"):
         Eagle3Config(feature_noise_type="laplace")
+    with pytest.raises(ValueError, match="hass_topk"):
+        Eagle3Config(hass_topk=-1)
 
 
 # ---- checkpoints -----------------------------------------------------------------------------
@@ -251,7 +323,8 @@ def test_a_head_saved_before_the_options_loads_unchanged(tiny_llama, tmp_path):
     head.save_pretrained(tmp_path / "old")
     file = tmp_path / "old" / "config.json"
     doc = json.loads(file.read_text())
-    for key in ("fc_norm", "norm_output", "feature_noise", "feature_noise_type"):
+    new = ("fc_norm", "norm_output", "feature_noise", "feature_noise_type", "mask_after_miss")
+    for key in (*new, "hass_topk", "hass_weight"):
         del doc["config"][key]  # what a config.json written before them holds
     file.write_text(json.dumps(doc))
     back = heads.from_pretrained(tmp_path / "old", tiny_llama)
