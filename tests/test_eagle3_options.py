@@ -367,3 +367,26 @@ def test_gguf_refuses_what_llama_cpp_lacks(tiny_llama):
             assert isinstance(err.value, DraftsmithError) and "\n" not in str(err.value)
             for name in options:
                 assert f"head.{name}=false" in str(err.value)
+
+
+# ---- the overrides, end to end -------------------------------------------------------------
+
+
+def test_the_overrides_train_save_and_resume_end_to_end(tmp_path):
+    """The names the recipes use: compose eagle3_tiny with every option on, train two steps with
+    Muon, save, resume to four; the saved head carries the options."""
+    from tests.test_experiments import _compose
+    from train.run import run
+
+    overrides = [
+        "head.fc_norm=true", "head.norm_output=true", "head.feature_noise=0.1",
+        "head.feature_noise_type=gaussian", "head.mask_after_miss=true", "head.hass_topk=4",
+        "trainer.optimizer=muon", "trainer.muon_lr=0.01", "evaluators=[]",
+        "trainer.best_metric=null",
+    ]  # fmt: skip
+    result = run(_compose("eagle3_tiny", overrides), run_dir=tmp_path)
+    assert result.step == 2 and "val/step0/chain_top1" in result.val_metrics
+    saved = json.loads((tmp_path / "head" / "config.json").read_text())["config"]
+    assert saved["fc_norm"] and saved["norm_output"] and saved["hass_topk"] == 4
+    more = run(_compose("eagle3_tiny", [*overrides, "trainer.max_steps=4"]), run_dir=tmp_path)
+    assert more.step == 4
