@@ -19,6 +19,18 @@ truth), position t+i; it predicts x_{t+i+2}. Every step appends T keys to one Dr
 from target features) and, for j = 1..i, the step-j key of row t itself (its own ancestors in the
 draft chain) -- what a chain drafted with `step` and a cache sees at inference.
 
+EAGLE-3.1 options (vllm-project/speculators PR #610, both off by default, so heads saved before
+them load unchanged): `fc_norm` gives each fused target layer an RMSNorm of its own before fc,
+h_t = fc([n_a(a_t); n_b(b_t); n_c(c_t)]), which evens out the layers' very different scales; and
+`norm_output` feeds the post-norm state norm(out) (the one lm_head reads) to the next step instead
+of the layer's residual output, in training-time test and when drafting alike, so the state fed
+back keeps one scale however deep the draft goes. Training may add noise to the target features
+fc reads (`feature_noise`, EAGLE-1's and HASS's augmentation): the draft then learns from inputs
+as imperfect as its own later steps are. Two loss variants: `mask_after_miss` (GRIFFIN-style)
+trains step i only on rows whose steps 0..i-1 all predicted the target's top-1, the rows a greedy
+chain reaches (the stats `step{i}/chain_top1`, logged always, are the accuracy there: a chain's
+acceptance at each depth); `hass_topk` adds HASS's top-K distillation term.
+
 Loss positions: row t at step i counts when x_{t+i+2} is an assistant token and (as in
 SpecForge) the target's own greedy token there lies inside the draft vocabulary: where it does
 not, the renormalised distribution would teach the draft to prefer a token the target would not
@@ -54,6 +66,8 @@ from heads.eagle import check_shapes, topk_hits
 from heads.folder import load_head_tensors, load_weights, open_head, saved_tensor
 from heads.vocab import d2t_t2d, draft_to_target, frequent_ids, saved_draft_ids, target_to_draft
 
+NOISE_TYPES = ("uniform", "gaussian")
+
 
 @dataclass
 class Eagle3Config:
@@ -64,6 +78,24 @@ class Eagle3Config:
     decay: float = 0.8  # step i's loss weight is decay**i
     mask_outside_vocab: bool = True  # skip positions whose target argmax is outside the draft vocab
     topk: int = 5
+    # EAGLE-3.1: an RMSNorm of its own on each fused target layer before fc (speculators' and
+    # vLLM's `fc_norm`, tensors fc_norm.{i}.weight)
+    fc_norm: bool = False
+    # EAGLE-3.1: feed the post-norm state, not the layer's residual output, to the next step
+    # (training-time test and drafting; speculators' and vLLM's `norm_output`)
+    norm_output: bool = False
+    # Noise on the target features fc reads, while training only: uniform U(-a/2, a/2) (EAGLE-1's
+    # convention, a = 0.2 there; speculators' noise_std s is U(-s, s), a = 2s) or gaussian
+    # N(0, a^2), a = feature_noise. 0 disables.
+    feature_noise: float = 0.0
+    feature_noise_type: str = "uniform"
+    # GRIFFIN-style: step i trains only on rows whose steps 0..i-1 all predicted the target's
+    # top-1 (the rows a greedy chain would reach); the stats still cover every row
+    mask_after_miss: bool = False
+    # HASS's top-K distillation: add hass_weight * -sum over the target's top hass_topk tokens
+    # of p log q to each step's loss (HASS: K = 10, weight 1); 0 disables
+    hass_topk: int = 0
+    hass_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.aux_layers is not None:
@@ -78,6 +110,18 @@ class Eagle3Config:
             raise ValueError(f"head.decay={self.decay}: use a weight in (0, 1].")
         if self.topk < 1:
             raise ValueError(f"head.topk={self.topk}: use 1 or more.")
+        if not self.feature_noise >= 0:
+            raise ValueError(f"head.feature_noise={self.feature_noise}: use >= 0 (0 disables).")
+        if self.hass_topk < 0 or not self.hass_weight >= 0:
+            raise ValueError(
+                f"head.hass_topk={self.hass_topk}, head.hass_weight={self.hass_weight}: use 0 or "
+                "more for both (hass_topk=0 disables the term)."
+            )
+        if self.feature_noise_type not in NOISE_TYPES:
+            raise ValueError(
+                f"head.feature_noise_type={self.feature_noise_type!r}: use one of "
+                f"{', '.join(NOISE_TYPES)}."
+            )
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -113,7 +157,7 @@ class Eagle3Head(nn.Module):
     config_class = Eagle3Config
     title = "EAGLE-3 draft layer"
     hub_tag = "eagle3"
-    export_formats = ("native", "eagle3")
+    export_formats = ("native", "eagle3", "speculators")
     export_note = ""
     drafting = FeatureDrafter
     uses_target_features = True
@@ -141,6 +185,8 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d)
         self.fc = nn.Linear(len(config.aux_layers) * H, H, bias=False)
+        if config.fc_norm:  # one per fused layer, in aux_layers order
+            self.fc_norm = nn.ModuleList(RMSNorm(H, spec.rms_norm_eps) for _ in config.aux_layers)
         self.layers = nn.ModuleList([DraftDecoderLayer(spec, fused_input=True)])
         self.norm = RMSNorm(H, spec.rms_norm_eps)
         self.lm_head = nn.Linear(H, draft_ids.numel(), bias=False)
@@ -188,7 +234,24 @@ class Eagle3Head(nn.Module):
 
     def target_hidden(self, features: dict[str, Tensor]) -> Tensor:
         """Fused target features h = fc(aux): (..., kH) -> (..., H)."""
-        return self.fc(features["aux"].to(self.fc.weight.device, self.fc.weight.dtype))
+        return self.fuse(features["aux"].to(self.fc.weight.device, self.fc.weight.dtype))
+
+    def fuse(self, aux: Tensor) -> Tensor:
+        """fc over the k target layers (..., kH) -> (..., H), each layer normalised on its own
+        first with `fc_norm`."""
+        if self.config.fc_norm:
+            parts = aux.chunk(len(self.fc_norm), dim=-1)  # k x (..., H)
+            aux = torch.cat([norm(x) for norm, x in zip(self.fc_norm, parts, strict=True)], -1)
+        return self.fc(aux)
+
+    def noisy(self, aux: Tensor) -> Tensor:
+        """`aux` with the training noise (`feature_noise`, `feature_noise_type`) added."""
+        scale = self.config.feature_noise
+        if not scale:
+            return aux
+        if self.config.feature_noise_type == "gaussian":
+            return aux + torch.randn_like(aux) * scale
+        return aux + (torch.rand_like(aux) - 0.5) * scale
 
     def draft_hidden(
         self,
@@ -198,10 +261,12 @@ class Eagle3Head(nn.Module):
         cache: DraftCache,
         attn_mask: Tensor | None = None,
     ) -> Tensor:
-        """The layer's output (B, q, H) (pre-norm; fed back as `hidden` one level deeper)."""
+        """The state fed back as `hidden` one level deeper (B, q, H): the layer's output, or
+        with `norm_output` that output after the final norm."""
         dtype = self.fc.weight.dtype
         embeds = F.embedding(tokens, self.embed_weight).to(dtype)  # (B, q, H)
-        return self.layers[0](hidden.to(dtype), position_ids, cache, attn_mask, embeds=embeds)
+        out = self.layers[0](hidden.to(dtype), position_ids, cache, attn_mask, embeds=embeds)
+        return self.norm(out) if self.config.norm_output else out
 
     def step(
         self,
@@ -221,8 +286,11 @@ class Eagle3Head(nn.Module):
         return out, self.logits(out)
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """Draft-vocabulary scores of a draft output: (..., H) -> (..., D)."""
-        return self.lm_head(self.norm(hidden.to(self.lm_head.weight.dtype)))
+        """Draft-vocabulary scores of a draft output (what `draft_hidden` returns): (..., H) ->
+        (..., D). lm_head always reads the post-norm state: with `norm_output` the output is
+        normalised already."""
+        hidden = hidden.to(self.lm_head.weight.dtype)
+        return self.lm_head(hidden if self.config.norm_output else self.norm(hidden))
 
     def forward(self, hidden: Tensor) -> Tensor:
         """The same as `logits`."""
@@ -303,13 +371,17 @@ class Eagle3Head(nn.Module):
         labelled = label_mask(batch, 1)  # rows t whose next token x_{t+1} is a label
         argmax = batch.get("target_argmax")
         probs, index, usable = self.soft_targets(features["hidden"].to(device), labelled, argmax)
-        hidden = self.target_hidden(features)  # (B, T, H)
+        aux = features["aux"].to(device, self.fc.weight.dtype)
+        hidden = self.fuse(self.noisy(aux) if self.training else aux)  # (B, T, H)
         cache = DraftCache()
         positions = batch_positions(batch, T)  # (B, T)
         segments = batch.get("segment_ids")
         total = hidden.sum() * 0.0  # keeps every parameter in the graph (DDP) if nothing counts
         stats: dict[str, Tensor] = {}
         k = min(self.config.topk, self.draft_vocab_size)
+        # row t at step i lies on a drafted chain a greedy verifier would still be following:
+        # steps 0..i-1 of row t all predicted the target's top-1
+        on_chain = torch.ones(B, T, dtype=torch.bool, device=device)
         for i in range(self.config.ttt_steps):
             tokens = shift_left(ids, i + 1)  # row t: x_{t+i+1}
             mask = ttt_attention_mask(T, i, device, segments)
@@ -319,19 +391,41 @@ class Eagle3Head(nn.Module):
             valid = label_mask(batch, i + 2) & shift_left(usable, i + 1)
             want = probs[shift_left(index, i + 1)[valid]]  # (N, D)
             logits = self.logits(hidden[valid]).float()  # (N, D)
-            ce = -(want * logits.log_softmax(-1)).sum(-1)  # (N,)
-            n = ce.shape[0]
-            if n:
-                total = total + self.config.decay**i * ce.mean()
+            logp = logits.log_softmax(-1)
+            ce = -(want * logp).sum(-1)  # (N,)
+            reached = on_chain[valid]  # (N,)
+            counted = reached if self.config.mask_after_miss else torch.ones_like(reached)
+            if counted.any():
+                step_loss = ce[counted].mean() + self._topk_term(want[counted], logp[counted])
+                total = total + self.config.decay**i * step_loss
             top1, topk = topk_hits(logits, want.argmax(-1), k)
+            hit = logits.argmax(-1) == want.argmax(-1)  # (N,)
+            n = ce.shape[0]
             stats[f"step{i}/loss"] = stat_pair(ce.detach().sum(), n, device)
             stats[f"step{i}/top1"] = stat_pair(top1, n, device)
             stats[f"step{i}/top{k}"] = stat_pair(topk, n, device)
+            # accuracy where the chain got this far: a chain's acceptance at depth i+1
+            stats[f"step{i}/chain_top1"] = stat_pair(
+                (hit & reached).sum().float(), int(reached.sum()), device
+            )
+            on_chain = torch.zeros_like(on_chain).masked_scatter(valid, reached & hit)
         # the first drafted token's accuracy, the same quantity as Medusa's head0
         stats["head0/top1"] = stats["step0/top1"]
         stats[f"head0/top{k}"] = stats[f"step0/top{k}"]
         stats["loss"] = stat_pair(total.detach(), 1, device)
         return LossOutput(total, stats)
+
+    def _topk_term(self, want: Tensor, logp: Tensor) -> Tensor:
+        """HASS's top-K distillation term (Zhang et al., 2024, "Learning Harmonized
+        Representations for Speculative Sampling"): hass_weight * mean over rows of
+        -sum over the target's K likeliest tokens of p log q, which weighs the tokens a verifier
+        is likely to accept above the tail. Zero when hass_topk is 0."""
+        K = min(self.config.hass_topk, want.shape[-1])
+        if not K or not want.shape[0]:
+            return logp.new_zeros(())
+        top = want.topk(K, dim=-1)  # (N, K)
+        term = -(top.values * logp.gather(-1, top.indices)).sum(-1)  # (N,)
+        return self.config.hass_weight * term.mean()
 
     # ---- checkpoints ---------------------------------------------------------------------
 

@@ -162,6 +162,8 @@ def test_eagle3_schema(llama6, tmp_path):
         **LLAMA_KEYS,
         "draft_vocab_size": 50,
         "norm_before_residual": False,
+        "fc_norm": False,
+        "norm_output": False,
     }
     assert returned == {**config, "draftsmith": provenance}
     assert provenance["format"] == "eagle3" and provenance["base_model"] == "tiny-llama6"
@@ -272,6 +274,96 @@ def test_eagle3_round_trip(tiny_target, tmp_path, draft_vocab_size):
     _same_eagle_outputs(head, back)
 
 
+# Source: speculators PR #610 / #670 (Eagle3SpeculatorConfig fc_norm, norm_output; fc_norm a
+# ModuleList of one RMSNorm per aux layer), vLLM llama_eagle3.py (getattr(config, "fc_norm"),
+# "norm_output"; PR #42764) and SGLang llama_eagle3.py (config.norm_output).
+@pytest.mark.parametrize(("fc_norm", "norm_output"), [(True, False), (False, True), (True, True)])
+def test_eagle3_31_switches_export_and_import(llama6, tmp_path, fc_norm, norm_output):
+    head = _eagle3(llama6, draft_vocab_size=50, fc_norm=fc_norm, norm_output=norm_output)
+    interop.export_draft(head, llama6, "eagle3", tmp_path / "e3")
+    config, _, shapes, _ = _files(tmp_path / "e3")
+    assert config["fc_norm"] is fc_norm and config["norm_output"] is norm_output
+    norms = {f"fc_norm.{i}.weight": (F32, (H,)) for i in range(3)} if fc_norm else {}
+    assert {k: v for k, v in shapes.items() if k.startswith("fc_norm")} == norms
+    # an engine-written folder has no draftsmith block: the switches come from the config keys
+    file = tmp_path / "e3" / "config.json"
+    file.write_text(
+        json.dumps({k: v for k, v in json.loads(file.read_text()).items() if k != "draftsmith"})
+    )
+    back = interop.import_draft(tmp_path / "e3", llama6)
+    assert (back.config.fc_norm, back.config.norm_output) == (fc_norm, norm_output)
+    _same_tensors(head, back)
+    _same_eagle_outputs(head, back)
+
+
+# Source: vllm-project/speculators c05b95b src/speculators/models/eagle3/config.py
+# (Eagle3SpeculatorConfig: transformer_layer_config, draft_vocab_size, norm_before_residual,
+# norm_before_fc, fc_norm, norm_output, target_hidden_size, eagle_aux_hidden_state_layer_ids,
+# embed_requires_grad), src/speculators/config.py (speculators_config) and models/eagle3/core.py
+# (fc, fc_norm.{i}, layers.0.*, norm, lm_head; embed_tokens, d2t, t2d optional on load); vLLM's
+# speculators reader (algos.py update_eagle3) defaults a missing norm_before_residual to true.
+@pytest.mark.parametrize("fc_norm", [False, True])
+def test_eagle3_speculators_schema_and_round_trip(llama6, tmp_path, fc_norm):
+    head = _eagle3(llama6, draft_vocab_size=50, fc_norm=fc_norm, norm_output=True, ttt_steps=3)
+    interop.export_draft(head, llama6, "speculators", tmp_path / "s")
+    config, provenance, shapes, _ = _files(tmp_path / "s")
+    layer = {k: v for k, v in LLAMA_KEYS.items() if k != "torch_dtype"}
+    assert config == {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.9.0",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": 50,
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": fc_norm,
+        "norm_output": True,
+        "target_hidden_size": 64,
+        "eagle_aux_hidden_state_layer_ids": [2, 3, 3],
+        "embed_requires_grad": False,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": 3,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": "tiny-llama6", "architectures": ["LlamaForCausalLM"]},
+        },
+        "torch_dtype": "float32",
+    }
+    assert provenance["format"] == "speculators"
+    eagle3 = interop.export_draft(head, llama6, "eagle3", tmp_path / "e3")
+    assert shapes == _files(tmp_path / "e3")[2]  # the same tensors as the engines' layout
+    assert ("fc_norm.0.weight" in shapes) == fc_norm and eagle3["norm_output"] is True
+    # a folder speculators wrote: no draftsmith block, its (frozen) copy of the embeddings
+    file = tmp_path / "s" / "config.json"
+    file.write_text(
+        json.dumps({k: v for k, v in json.loads(file.read_text()).items() if k != "draftsmith"})
+    )
+    tensors = load_file(str(tmp_path / "s" / "model.safetensors"))
+    tensors["embed_tokens.weight"] = llama6.embed_tokens.weight.detach().clone()
+    save_file(tensors, str(tmp_path / "s" / "model.safetensors"))
+    assert interop.detect_format(tmp_path / "s") == "speculators"
+    back = interop.import_draft(tmp_path / "s", llama6)
+    assert type(back) is Eagle3Head
+    assert (back.config.fc_norm, back.config.norm_output) == (fc_norm, True)
+    _same_tensors(head, back)
+    _same_eagle_outputs(head, back)
+
+
+def test_eagle3_import_refuses_norm_variants_it_does_not_build(llama6, tmp_path):
+    interop.export_draft(_eagle3(llama6), llama6, "eagle3", tmp_path / "e3")
+    file = tmp_path / "e3" / "config.json"
+    file.write_text(json.dumps(json.loads(file.read_text()) | {"norm_before_residual": True}))
+    with pytest.raises(HeadMismatchError, match="norm_before_residual"):
+        interop.import_draft(tmp_path / "e3", llama6)
+
+
 def test_eagle_round_trip(tiny_target, tmp_path):
     head = _eagle(tiny_target)
     back = _round_trip(head, tiny_target, "eagle", tmp_path)
@@ -372,7 +464,7 @@ def test_aux_layer_ids_for_both_engines(llama6, tmp_path):
     ("make", "fmt", "fits"),
     [
         (_medusa, "eagle3", "native, medusa, medusa_fd"),
-        (_eagle3, "medusa", "native, eagle3"),
+        (_eagle3, "medusa", "native, eagle3, speculators"),
         (_eagle, "eagle3", "native, eagle"),
     ],
 )

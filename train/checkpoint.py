@@ -54,6 +54,7 @@ from torch.optim import Optimizer
 
 from data.errors import DraftsmithError
 from heads.base import atomic_save_dir, check_finite
+from train.optim import MultiOptimizer
 from train.rundir import (
     CHECKPOINT_HEADS,
     CHECKPOINTS,
@@ -312,6 +313,13 @@ def load_optimizer_state(model: nn.Module, optimizer: Optimizer, state: dict) ->
                 "this checkpoint's optimizer state was written without FSDP (keyed by position) "
                 "and cannot be spread over FSDP shards: resume it without FSDP, or start over "
                 "with trainer.resume=never."
+            )
+        if "param_groups" not in state and not isinstance(
+            getattr(optimizer, "optimizer", optimizer), MultiOptimizer
+        ):
+            raise CheckpointError(
+                f"this checkpoint's optimizer state holds {', '.join(sorted(state))} (written with "
+                "trainer.optimizer=muon): resume with it, or start over with trainer.resume=never."
             )
         optimizer.load_state_dict(state)
         return

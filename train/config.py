@@ -11,6 +11,8 @@ import torch
 from data.errors import ConfigError
 
 MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
+OPTIMIZERS = ("adamw", "muon")
+MUON_LR_RULES = ("match_rms_adamw", "original")  # torch.optim.Muon's adjust_lr_fn
 
 
 @dataclass
@@ -28,6 +30,13 @@ class TrainerConfig:
     weight_decay: float = 0.0
     betas: Sequence[float] = (0.9, 0.95)
     eps: float = 1e-8
+    # adamw | muon: Muon on the draft's hidden weight matrices, AdamW (lr, weight_decay, betas,
+    # eps) on the rest; train/optim.py says which go where
+    optimizer: str = "adamw"
+    muon_lr: float | None = None  # None: lr (Muon's update is scaled to match AdamW's RMS)
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0
+    muon_adjust_lr_fn: str = "match_rms_adamw"  # or "original" (Keller Jordan's scaling)
     warmup_steps: int = 0
     warmup_ratio: float = 0.0  # fraction of the total steps; use this or warmup_steps
     min_lr_ratio: float = 0.0  # the cosine decays to lr * min_lr_ratio
@@ -71,6 +80,22 @@ class TrainerConfig:
         _check(
             len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
             f"betas={self.betas}: give two numbers in [0, 1), e.g. [0.9, 0.95].",
+        )
+        _check(
+            self.optimizer in OPTIMIZERS,
+            f"optimizer={self.optimizer!r}: use one of {', '.join(OPTIMIZERS)}.",
+        )
+        _check(
+            self.muon_lr is None or self.muon_lr > 0,
+            f"muon_lr={self.muon_lr}: set a positive learning rate, or null to use lr.",
+        )
+        _check(0 <= self.muon_momentum < 1, f"muon_momentum={self.muon_momentum}: use [0, 1).")
+        _check(
+            self.muon_weight_decay >= 0, f"muon_weight_decay={self.muon_weight_decay}: use >= 0."
+        )
+        _check(
+            self.muon_adjust_lr_fn in MUON_LR_RULES,
+            f"muon_adjust_lr_fn={self.muon_adjust_lr_fn!r}: use one of {', '.join(MUON_LR_RULES)}.",
         )
         _check(self.warmup_steps >= 0, f"warmup_steps={self.warmup_steps}: use 0 or more.")
         _check(

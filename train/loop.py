@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import broadcast_object_list, set_seed
+from accelerate.utils import DistributedType, broadcast_object_list, set_seed
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
@@ -143,7 +143,7 @@ class Trainer:
         self.batches_per_epoch, self.total_steps = count_steps(
             cfg, len(train_dataset), acc.num_processes
         )
-        optimizer = build_optimizer(head, cfg)
+        optimizer = build_optimizer(head, cfg, acc.distributed_type == DistributedType.FSDP)
         warmup = cfg.warmup_for(self.total_steps)
         self.scheduler = build_scheduler(optimizer, warmup, self.total_steps, cfg.min_lr_ratio)
         self.model, self.optimizer = acc.prepare(_HeadLoss(head), optimizer)

@@ -22,8 +22,9 @@ Formats (`FORMATS`), each a folder with `config.json` and one weights file:
   keys plus `block_size`, `num_target_layers`, `dflash_config`; unprefixed `layers.*`, `fc`,
   `hidden_norm`, `norm`, and `mask_embedding.pt` for a learned MASK vector
   (heads/interop/dflash.py).
-- `speculators`: a DFlash draft as vllm-project/speculators saves it (`DFlashSpeculator`), and a
-  DSpark one (`DSparkSpeculator`).
+- `speculators`: a DFlash draft as vllm-project/speculators saves it (`DFlashSpeculator`), a
+  DSpark one (`DSparkSpeculator`), and an EAGLE-3 one (`Eagle3Speculator`, with EAGLE-3.1's
+  `fc_norm` / `norm_output`; heads/interop/eagle3.py).
 - `deepspec` (read only): deepseek-ai/DeepSpec's `Qwen3DSparkModel` checkpoints, DSpark and its
   anchor-sampled DFlash, imported as DSparkHeads (heads/interop/deepspec.py).
 

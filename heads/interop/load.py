@@ -25,6 +25,7 @@ from heads.interop.checks import (
 )
 from heads.interop.deepspec import DEEPSPEC_ARCHS, import_deepspec
 from heads.interop.dflash import ZLAB_ARCH, import_speculators, import_zlab, speculators_kind
+from heads.interop.eagle3 import flat_eagle3_doc, is_speculators_eagle3
 from heads.interop.formats import READ_FORMATS, WEIGHT_FILES
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.registry import load_native
@@ -94,6 +95,8 @@ def detect_format(path) -> str:
         return "native"
     if ZLAB_ARCH in archs:
         return "dflash"
+    if is_speculators_eagle3(doc):
+        return "speculators"
     if speculators_kind(doc):
         return speculators_kind(doc)
     if any(a in DEEPSPEC_ARCHS for a in archs):
@@ -213,7 +216,19 @@ def _import_eagle3(doc, tensors, target, path):
         )
     tensors["d2t"], tensors["t2d"] = d2t, t2d
     D = V if draft_ids is None else draft_ids.numel()
-    config = head_config(Eagle3Config, doc, aux_layers=aux, draft_vocab_size=D if D < V else None)
+    if doc.get("norm_before_residual") or doc.get("norm_before_fc"):
+        raise HeadMismatchError(
+            f"{path}: norm_before_residual / norm_before_fc are set, variants draftsmith's EAGLE-3 "
+            "head does not build (it has fc_norm and norm_output); serve it in vLLM or SGLang."
+        )
+    config = head_config(
+        Eagle3Config,
+        doc,
+        aux_layers=aux,
+        draft_vocab_size=D if D < V else None,
+        fc_norm=bool(doc.get("fc_norm", False)),
+        norm_output=bool(doc.get("norm_output", False)),
+    )
     head = Eagle3Head(
         config,
         TargetInfo.of(target),
@@ -325,12 +340,22 @@ def _medusa_head(doc, target, path, fmt, tensors, rows, draft_ids, K, L):
     return head
 
 
+def _import_speculators(doc, tensors, target, path):
+    """speculators' Eagle3Speculator, DFlashSpeculator or DSparkSpeculator folder."""
+    if not is_speculators_eagle3(doc):
+        return import_speculators(doc, tensors, target, path)
+    drop_target_copy(tensors, "embed_tokens.weight", target.embed_tokens.weight, path)
+    for name in ("verifier_lm_head.weight", "verifier_norm.weight"):
+        tensors.pop(name, None)
+    return _import_eagle3(flat_eagle3_doc(doc), tensors, target, path)
+
+
 _IMPORTERS = {
     "eagle3": _import_eagle3,
     "eagle": _import_eagle,
     "medusa": _import_medusa,
     "medusa_fd": _import_medusa_fd,
     "dflash": import_zlab,
-    "speculators": import_speculators,
+    "speculators": _import_speculators,
     "deepspec": import_deepspec,
 }
