@@ -160,7 +160,8 @@ class FakeRuns:
             (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
             (run_dir / "head").mkdir()
         else:
-            assert args["methods"] == "[]" and "chain3: {path:" in args["heads"]
+            assert args["methods"] == "[]" and args["+heads.chain3"].endswith("tree: 3}")
+            assert args["+heads.dynamic"].endswith("tree: dynamic}")
             out = Path(args["out_dir"])
             out.mkdir(parents=True, exist_ok=True)
             methods = {

@@ -347,11 +347,11 @@ def train_command(cfg, variant: Variant, seed: int, steps: int, run_dir: Path, f
 
 def eval_command(cfg: SearchConfig, variant: Variant, head: Path, eval_dir: Path) -> list[str]:
     """One evaluate.py run measuring the head with each of TREES (one shared HF reference)."""
-    entries = ", ".join(f"{n}: {{path: '{head}', tree: {t}}}" for n, t in TREES.items())
+    entries = [f"+heads.{n}={{path: '{head}', tree: {t}}}" for n, t in TREES.items()]
     bench = list(cfg.bench) or ["bench=mt_bench", f"bench.per_category={cfg.turns // 16}"]
     return [
         sys.executable, "evaluate.py", f"+experiment={variant.experiment}", "methods=[]",
-        f"heads={{{entries}}}", f"threads={cfg.threads}", *bench,
+        *entries, f"threads={cfg.threads}", *bench,
         f"bench.max_new_tokens={cfg.max_new_tokens}", "logger.mode=disabled",
         *variant.eval_overrides, f"out_dir={eval_dir}", f"hydra.run.dir={eval_dir}",
     ]  # fmt: skip
