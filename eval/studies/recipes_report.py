@@ -99,8 +99,8 @@ def mismatch_warnings(points: dict) -> list[str]:
 
 
 def variants_table(points: dict) -> list[str]:
-    lines = ["### Variants", "", "| variant | experiment | overrides | CPU s/step (calibration) |",
-             "|---|---|---|---|"]  # fmt: skip
+    lines = ["### Variants", "", "| variant | experiment | overrides | CPU s/step at its first "
+             "budget (from) |", "|---|---|---|---|"]  # fmt: skip
     seen: dict[str, dict] = {}
     for p in sorted(points.values(), key=lambda p: p["budget_cpu_min"]):
         seen.setdefault(p["variant"], p)
@@ -113,8 +113,8 @@ def variants_table(points: dict) -> list[str]:
 
 def points_table(points: dict) -> list[str]:
     lines = [
-        "| variant | seed | steps | CPU-min | wall min | train top-1 | held-out top-1 (1st / 2nd "
-        "/ 3rd) | gap | tau chain-3 | tau dynamic | mismatches |",
+        "| variant | seed | steps | CPU-min | train wall min | train top-1 | held-out top-1 "
+        "(1st / 2nd / 3rd) | gap | tau chain-3 | tau dynamic | mismatches |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key in sorted(points, key=lambda k: (points[k]["variant"], points[k]["seed"])):
