@@ -441,6 +441,7 @@ def test_one_point_end_to_end_on_the_tiny_experiment(tmp_path):
     assert point["tau_chain3"] >= 1.0 and point["tau_dynamic"] >= 1.0
     assert point["mismatches_chain3"] == 0 and point["mismatches_dynamic"] == 0
     assert point["bench_requests"] == 2 and point["train_wall_min"] > 0
+    assert (point["tree_depth_chain3"], point["tree_depth_dynamic"]) == (3, 6)
     assert point["train_process_cpu_min"] >= point["cpu_min"]
     assert (cfg.out / "points" / "baseline-0.05m-s0" / "head").is_dir()
     assert "| baseline | 0 | 3 |" in (tmp_path / "docs" / "recipes.md").read_text()

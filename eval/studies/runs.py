@@ -109,4 +109,6 @@ def eval_metrics(summary: dict, names) -> dict:
         out[f"near_ties_{name}"] = m["near_tie_mismatches"]
         out[f"accept_{name}"] = m["accept_rate_by_depth"]
         out["bench_requests"] = m["requests"]
+        tree = summary.get("meta", {}).get("heads", {}).get(name, {})
+        out[f"tree_depth_{name}"] = tree.get("tree_depth")  # what the tree drafted at most
     return out
