@@ -45,6 +45,7 @@ def main() -> int:
     from eval.studies import recipes
     from eval.studies.recipes_report import render
     from eval.studies.store import load_json
+    from eval.studies.variants import parse_variants
 
     if args.report_only:
         print(render(load_json(args.docs / "results.json"), args.docs))
@@ -53,7 +54,7 @@ def main() -> int:
         p.error("--variants and --budgets are required (or --report-only)")
     try:
         cfg = recipes.SearchConfig(
-            variants=recipes.parse_variants(args.variants, args.experiment),
+            variants=parse_variants(args.variants, args.experiment),
             budgets=args.budgets, data=args.data, seeds=args.seeds, out=args.out,
             docs=args.docs, val_rows=args.val_rows, threads=args.threads, turns=args.turns,
             max_new_tokens=args.max_new_tokens, probe_steps=args.probe_steps,

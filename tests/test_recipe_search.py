@@ -14,6 +14,7 @@ from data.errors import ConfigError, DraftsmithError
 from eval.studies import recipes
 from eval.studies.recipes_report import BEGIN, END, render
 from eval.studies.store import load_json, locked, update_json
+from eval.studies.variants import parse_variants
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,7 +39,7 @@ def _cfg(tmp_path: Path, variants="{baseline: [], muon: [trainer.optimizer=muon]
         "docs": tmp_path / "docs" / "recipes",
         "val_rows": 4,
     } | kw
-    return recipes.SearchConfig(variants=recipes.parse_variants(variants), **kw)
+    return recipes.SearchConfig(variants=parse_variants(variants), **kw)
 
 
 # ---- planning ---------------------------------------------------------------------------------
@@ -62,9 +63,9 @@ def test_plan_crosses_variants_budgets_and_seeds_with_stable_keys(tmp_path):
     assert variant.overrides == ("trainer.optimizer=muon",) and variant.seeds == (0, 1)
     assert variant.experiment == "eagle3_llama"
     # the digest follows what the variant trains, not its name
-    other = recipes.parse_variants("{muon: [trainer.optimizer=muon, trainer.lr=1e-3]}")["muon"]
+    other = parse_variants("{muon: [trainer.optimizer=muon, trainer.lr=1e-3]}")["muon"]
     assert other.digest != variant.digest
-    assert recipes.parse_variants("{x: [trainer.optimizer=muon]}")["x"].digest == variant.digest
+    assert parse_variants("{x: [trainer.optimizer=muon]}")["x"].digest == variant.digest
 
 
 def test_variants_from_a_file_with_a_base_and_common_overrides(tmp_path):
@@ -78,7 +79,7 @@ def test_variants_from_a_file_with_a_base_and_common_overrides(tmp_path):
             }
         )
     )
-    got = recipes.parse_variants(spec)
+    got = parse_variants(spec)
     assert got["baseline"].overrides == ("trainer.lr=1e-3",)
     assert got["noise"].overrides == ("trainer.lr=1e-3", "+head.noise=0.05")
     assert {v.experiment for v in got.values()} == {"eagle3_tiny"}
@@ -97,7 +98,7 @@ def test_variants_from_a_file_with_a_base_and_common_overrides(tmp_path):
 )
 def test_bad_variants_say_what_to_change(spec, message):
     with pytest.raises(ConfigError, match=message):
-        recipes.parse_variants(spec)
+        parse_variants(spec)
 
 
 def test_turns_must_fill_whole_mt_bench_rounds(tmp_path):
@@ -115,6 +116,8 @@ def test_the_split_is_seeded_written_once_and_tied_to_its_data(tmp_path):
     assert sorted(val + train) == sorted(cfg.data.read_text().splitlines())  # a partition
     assert val != cfg.data.read_text().splitlines()[:4]  # shuffled first
     assert recipes.split_data(cfg) == meta  # written once
+    with pytest.raises(DraftsmithError, match="--val-rows 4"):
+        recipes.split_data(_cfg(tmp_path, val_rows=5))
     cfg.data.write_text(cfg.data.read_text() + cfg.data.read_text().splitlines()[0] + "\n")
     with pytest.raises(DraftsmithError, match="not the file"):
         recipes.split_data(cfg)
@@ -424,7 +427,7 @@ def test_one_point_end_to_end_on_the_tiny_experiment(tmp_path):
         '{"turns": ["Name a colour."], "category": "b"}\n'
     )
     cfg = recipes.SearchConfig(
-        variants=recipes.parse_variants("{baseline: []}", "eagle3_tiny"),
+        variants=parse_variants("{baseline: []}", "eagle3_tiny"),
         budgets=[0.05],
         data=data,
         out=tmp_path / "out",
