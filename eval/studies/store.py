@@ -1,0 +1,51 @@
+"""Files a study shares between invocations: JSON merged under a lock, written atomically."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from data.paths import atomic_write
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+
+
+def write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def load_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+@contextmanager
+def locked(path: Path, wait: bool = True) -> Iterator[bool]:
+    """An exclusive lock on `path` (created); yields False at once when `wait` is off and
+    another process holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def update_json(path: Path, change: Callable[[dict], None]) -> dict:
+    """Read `path`, apply `change` to it in place and write it back atomically, all under a lock
+    file beside it: what other processes wrote meanwhile is kept."""
+    with locked(path.with_name(f".{path.name}.lock")):
+        doc = load_json(path)
+        change(doc)
+        write_text(path, json.dumps(doc, indent=2) + "\n")
+    return doc
