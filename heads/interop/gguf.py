@@ -182,10 +182,15 @@ def gguf_for_target(cfg, outtype: str = "f16", own: bool = True) -> Path:
 
 def chosen_target_gguf(cfg, choice: str | None) -> Path:
     """The target GGUF a setting names: None or "auto", the target's own (`gguf_for_target`);
-    an outtype (f32, f16, bf16, q8_0), its Hugging Face folder converted once to that type;
-    anything else, a .gguf path used as given."""
+    q4_0, q4_k_m, q8_0: its f32 conversion through llama-quantize, once (heads.interop.
+    gguf_types); f32, f16, bf16: its Hugging Face folder converted once to that type; anything
+    else, a .gguf path used as given."""
+    from heads.interop.gguf_types import QUANT_TYPES, quantized_target_gguf
+
     if choice in (None, "", "auto"):
         return gguf_for_target(cfg)
+    if choice in QUANT_TYPES:
+        return quantized_target_gguf(cfg, choice)
     if choice in GGUF_OUTTYPES:
         return gguf_for_target(cfg, outtype=choice, own=False)
     return Path(choice)
