@@ -386,19 +386,23 @@ def llama_cpp_settings(cfg, head, target, out_dir: Path) -> LlamaCppSettings:
     --spec-type is read from that file when the servers start (build_llama_cpp_methods)."""
     from omegaconf import OmegaConf
 
-    from heads.interop.gguf import chosen_target_gguf, export_gguf
+    from eval.llama_cpp_targets import resolve_target_ggufs
+    from heads.interop.gguf import export_gguf
     from heads.target import resolve_source
 
     doc = OmegaConf.to_container(cfg.llama_cpp, resolve=True)
     settings = LlamaCppSettings(**doc)
     model_cfg = instantiate_model(cfg)
-    settings.target_gguf = str(chosen_target_gguf(model_cfg, settings.target_gguf))
+    settings.target_gguf, settings.resolved_types = resolve_target_ggufs(
+        model_cfg, settings.target_gguf
+    )
     if settings.draft_gguf is None and "llama_cpp_draft" in cfg.methods:
         if head is None:
             raise ValueError("llama_cpp_draft needs head_path (or llama_cpp.draft_gguf).")
         source, _ = resolve_source(model_cfg)
-        draft = out_dir / "draft-f32.gguf"
-        settings.draft_gguf = str(export_gguf(head, target, source, draft, "f32"))
+        kind = settings.draft_outtype
+        draft = out_dir / f"draft-{kind}.gguf"
+        settings.draft_gguf = str(export_gguf(head, target, source, draft, kind))
     return settings
 
 
