@@ -140,6 +140,7 @@ def export_gguf_run(
     """Write the draft GGUF (and the target's when asked) into `out`, proved in llama.cpp."""
     import heads
     from heads.interop.gguf import export_gguf, gguf_for_target, spec_type_for
+    from heads.interop.gguf_types import target_gguf_of_type
     from heads.target import resolve_source
     from train.rundir import target_config
 
@@ -161,7 +162,7 @@ def export_gguf_run(
     def write(folder: Path) -> None:
         draft = export_gguf(head, target, target_dir, folder / f"draft-{outtype}.gguf", outtype)
         if target_outtype:
-            tgt = gguf_for_target(model_cfg, outtype=target_outtype, own=False)
+            tgt = target_gguf_of_type(model_cfg, target_outtype)
             tgt_file = folder / f"target-{target_outtype}.gguf"
             shutil.copyfile(tgt, tgt_file)
         else:
