@@ -256,3 +256,27 @@ def test_ceiling_report_renders_every_table_and_plot(tmp_path):
     report = write(summary, tmp_path / "out")
     assert report.is_file() and (tmp_path / "out/verify_cost.png").stat().st_size > 1000
     assert json.loads((tmp_path / "out/summary.json").read_text())["types"]["q4_0"]["own"]
+
+
+def test_draft_length_script_prices_lengths_on_a_ceiling_curve(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "draft_length", Path(__file__).resolve().parents[1] / "scripts/draft_length.py"
+    )
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    run, ceiling = tmp_path / "run", tmp_path / "ceiling"
+    run.mkdir()
+    ceiling.mkdir()
+    metrics = {"seconds": 1.0, "target_forwards": 100, "accept_rate_by_depth": [0.7, 0.5, 0.3]}
+    methods = {"llama_cpp_plain": {"overall": metrics}, "llama_cpp_draft": {"overall": metrics}}
+    (run / "summary.json").write_text(json.dumps({"methods": methods}))
+    entry = {"verify_curve": {"ms": {"1": 10.0, "2": 10.5, "4": 11.0, "8": 20.0}},
+             "own": {"draft_length": {"draft_ms_per_token": 0.5, "overhead_ms": 0.0}}}  # fmt: skip
+    (ceiling / "summary.json").write_text(json.dumps({"types": {"q4_0": entry}}))
+    assert cli.main([str(run), "--ceiling", str(ceiling), "--type", "q4_0"]) == 0
+    out = capsys.readouterr().out
+    assert "--spec-draft-n-max: 3, --spec-draft-n-min: 1" in out
+    with pytest.raises(SystemExit, match="measured"):
+        cli.main([str(run), "--ceiling", str(ceiling), "--type", "bf16"])
