@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -478,8 +479,13 @@ def test_benchmark_runs_llama_cpp_methods_beside_hf(tiny_setup, tmp_path):
     prompts.write_text(
         "".join(json.dumps({"id": i, "turns": [p]}) + "\n" for i, p in enumerate(PROMPTS[:3]))
     )
+    from data.engines.llama_tools import quantize_gguf
+
+    # two target types in one run: f32 (faithful) and q8_0, each method once per type
+    q8 = quantize_gguf(target_file, tmp_path / "target-q8_0.gguf", "q8_0", threads=1)
     settings = LlamaCppSettings(
-        target_gguf=str(target_file),
+        target_gguf={"f32": str(target_file), "q8_0": str(q8)},
+        resolved_types={"f32": "f32", "q8_0": "q8_0"},
         draft_gguf=str(draft_file),
         cache_type="f32",  # faithful: the random tiny target has near ties a f16 cache flips
         flash_attn="off",
@@ -488,22 +494,32 @@ def test_benchmark_runs_llama_cpp_methods_beside_hf(tiny_setup, tmp_path):
     methods = build_methods(target, ["plain", "hf_generate"])
     methods += build_llama_cpp_methods(names, settings)
     bench = BenchConfig(path=str(prompts), max_new_tokens=NEW_TOKENS, warmup=1)
+    run = BenchRun(bench, meta={"llama_cpp": asdict(settings)})
     try:
-        summary = run_benchmark(target, methods, BenchRun(bench), tmp_path / "out")
+        summary = run_benchmark(target, methods, run, tmp_path / "out")
     finally:
         for m in methods:
             getattr(m, "close", lambda: None)()
     got = summary["methods"]
-    draft = got["llama_cpp_draft"]["overall"]
-    assert got["llama_cpp_draft"]["baseline"] == "llama_cpp_plain"
+    draft = got["llama_cpp_draft@f32"]["overall"]
+    assert got["llama_cpp_draft@f32"]["baseline"] == "llama_cpp_plain@f32"
+    assert got["llama_cpp_draft@q8_0"]["baseline"] == "llama_cpp_plain@q8_0"
     assert (
         draft["baseline_mismatches"] == 0
-        and got["llama_cpp_ngram"]["overall"]["baseline_mismatches"] == 0
+        and got["llama_cpp_ngram@f32"]["overall"]["baseline_mismatches"] == 0
     )
     assert draft["tau"] > 1.0 and draft["speedup_vs_plain"] is not None
-    assert got["llama_cpp_plain"]["overall"]["tau"] == 1.0
+    assert got["llama_cpp_plain@f32"]["overall"]["tau"] == 1.0
     assert len(draft["accept_rate_by_depth"]) == CHAIN
-    assert (tmp_path / "out" / "report.md").is_file()
+    # every llama.cpp method is also compared with the faster of the two plain types
+    fastest = summary["meta"]["fastest_plain"]
+    rates = {t: got[f"llama_cpp_plain@{t}"]["overall"]["tokens_per_s"] for t in ("f32", "q8_0")}
+    assert fastest["type"] == max(rates, key=rates.get)
+    assert fastest["method"] == f"llama_cpp_plain@{fastest['type']}"
+    expected = draft["tokens_per_s"] / rates[fastest["type"]]
+    assert draft["speedup_vs_fastest_plain"] == pytest.approx(expected)
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert f"GGUF type {fastest['type']}" in report
 
 
 def test_gguf_export_of_a_run_is_proved_in_llama_cpp(tiny_setup, tmp_path):
