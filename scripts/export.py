@@ -3,7 +3,8 @@
     python scripts/export.py RUN_DIR --format eagle3 --out DIR
     python scripts/export.py RUN_DIR --format medusa --out DIR --bench outputs/eval/<run>
     python scripts/export.py RUN_DIR --format eagle3 --out DIR --push-to-hub me/smollm2-eagle3
-    python scripts/export.py RUN_DIR --format gguf --out DIR [--target-outtype f32] [--chain 7]
+    python scripts/export.py RUN_DIR --format gguf --out DIR [--draft-outtype q8_0]
+        [--target-outtype f32] [--chain 7]
 
 RUN_DIR is what train.py wrote (its best_head/, else head/), a head folder, or a checkpoint
 (RUN_DIR/checkpoints/step_N: that step's weights). Formats:
@@ -31,15 +32,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 
 def main(argv: list[str] | None = None) -> int:
+    from data.engines.llama_cpp import GGUF_OUTTYPES
     from heads.interop import FORMATS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("source", help="a train.py run dir or a head folder")
     parser.add_argument("--format", required=True, choices=[*FORMATS, "gguf"])
-    parser.add_argument("--outtype", default="f32", help="gguf: the draft's GGUF type")
+    parser.add_argument(
+        "--draft-outtype",
+        "--outtype",
+        dest="outtype",
+        default="f32",
+        choices=GGUF_OUTTYPES,
+        help="gguf: the draft's GGUF type (q8_0: a third of f32's size and drafting cost)",
+    )
     parser.add_argument(
         "--target-outtype",
-        help="gguf: also convert the target (f32, f16, bf16, q8_0) for faithful runs; "
+        help="gguf: also write the target as f32, bf16, q8_0, q4_k_m or q4_0 (f32: for "
+        "token-faithful runs); "
         "default: the target's own GGUF (the embedded SmolLM2's Q4_1)",
     )
     parser.add_argument("--out", required=True, type=Path, help="the folder to write")

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,14 @@ def test_a_target_gguf_setting_names_the_own_file_a_conversion_or_a_path(tmp_pat
     assert gguf_for_target(folder, TargetGGUF.parse("auto")) == tmp_path / "own.gguf"
     with pytest.raises(FileNotFoundError, match="needs the target as GGUF"):
         gguf_for_target(folder, TargetGGUF.parse("f32"))  # no config.json to convert
+    # the quantised types: the f32 conversion through llama-quantize (gguf_types), parsed once
+    import heads.interop.gguf as types_mod
+
+    assert TargetGGUF.parse("q4_k_m") == TargetGGUF(own=False, outtype="q4_k_m")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(types_mod, "quantized_target_gguf", lambda c, q: Path(f"/cache/{q}.gguf"))
+        for q in ("q4_0", "q4_k_m", "q8_0"):
+            assert gguf_for_target(embedded, TargetGGUF.parse(q)) == Path(f"/cache/{q}.gguf")
 
 
 def test_unloadable_model_quotes_the_server_log(tmp_path):
@@ -479,8 +488,13 @@ def test_benchmark_runs_llama_cpp_methods_beside_hf(tiny_setup, tmp_path):
     prompts.write_text(
         "".join(json.dumps({"id": i, "turns": [p]}) + "\n" for i, p in enumerate(PROMPTS[:3]))
     )
+    from data.engines.llama_tools import quantize_gguf
+
+    # two target types in one run: f32 (faithful) and q8_0, each method once per type
+    q8 = quantize_gguf(target_file, tmp_path / "target-q8_0.gguf", "q8_0", threads=1)
     settings = LlamaCppSettings(
-        target_gguf=str(target_file),
+        target_gguf={"f32": str(target_file), "q8_0": str(q8)},
+        resolved_types={"f32": "f32", "q8_0": "q8_0"},
         draft_gguf=str(draft_file),
         cache_type="f32",  # faithful: the random tiny target has near ties a f16 cache flips
         flash_attn="off",
@@ -489,22 +503,32 @@ def test_benchmark_runs_llama_cpp_methods_beside_hf(tiny_setup, tmp_path):
     methods = build_methods(target, ["plain", "hf_generate"])
     methods += build_llama_cpp_methods(names, settings)
     bench = BenchConfig(path=str(prompts), max_new_tokens=NEW_TOKENS, warmup=1)
+    run = BenchRun(bench, meta={"llama_cpp": asdict(settings)})
     try:
-        summary = run_benchmark(target, methods, BenchRun(bench), tmp_path / "out")
+        summary = run_benchmark(target, methods, run, tmp_path / "out")
     finally:
         for m in methods:
             getattr(m, "close", lambda: None)()
     got = summary["methods"]
-    draft = got["llama_cpp_draft"]["overall"]
-    assert got["llama_cpp_draft"]["baseline"] == "llama_cpp_plain"
+    draft = got["llama_cpp_draft@f32"]["overall"]
+    assert got["llama_cpp_draft@f32"]["baseline"] == "llama_cpp_plain@f32"
+    assert got["llama_cpp_draft@q8_0"]["baseline"] == "llama_cpp_plain@q8_0"
     assert (
         draft["baseline_mismatches"] == 0
-        and got["llama_cpp_ngram"]["overall"]["baseline_mismatches"] == 0
+        and got["llama_cpp_ngram@f32"]["overall"]["baseline_mismatches"] == 0
     )
     assert draft["tau"] > 1.0 and draft["speedup_vs_plain"] is not None
-    assert got["llama_cpp_plain"]["overall"]["tau"] == 1.0
+    assert got["llama_cpp_plain@f32"]["overall"]["tau"] == 1.0
     assert len(draft["accept_rate_by_depth"]) == CHAIN
-    assert (tmp_path / "out" / "report.md").is_file()
+    # every llama.cpp method is also compared with the faster of the two plain types
+    fastest = summary["meta"]["fastest_plain"]
+    rates = {t: got[f"llama_cpp_plain@{t}"]["overall"]["tokens_per_s"] for t in ("f32", "q8_0")}
+    assert fastest["type"] == max(rates, key=rates.get)
+    assert fastest["method"] == f"llama_cpp_plain@{fastest['type']}"
+    expected = draft["tokens_per_s"] / rates[fastest["type"]]
+    assert draft["speedup_vs_fastest_plain"] == pytest.approx(expected)
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert f"GGUF type {fastest['type']}" in report
 
 
 def test_gguf_export_of_a_run_is_proved_in_llama_cpp(tiny_setup, tmp_path):
@@ -749,3 +773,150 @@ def test_llama_cpp_serves_reduced_vocabulary_block_drafts_losslessly(reduced_blo
         f"the tiny reduced-vocabulary draft barely learned: {counts}"
     )
     (Path(draft_file).parent / "parity.json").write_text(json.dumps(counts))
+
+
+# ---- target types, quantised drafts, the engine ceiling --------------------------------------
+
+TARGET_TYPES = ["q4_0", "q4_k_m", "q8_0", "bf16", "f32", "auto"]
+# the gguf type each choice gives the tiny folder (auto: a folder without a GGUF of its own is
+# converted to f16)
+TYPE_NAMES = {"q4_0": "q4_0", "q4_k_m": "q4_k_m", "q8_0": "q8_0", "bf16": "bf16", "f32": "f32",
+              "auto": "f16"}  # fmt: skip
+# a quantised target's batched verify and one-token step take different kernels (repacked
+# multi-row matmuls against one-row dot products, activations rounded per batch), so greedy
+# outputs may part where llama.cpp's own top-2 log-probabilities are this close
+TYPE_NEAR_TIE = 0.02
+
+
+def _tiny_cfg(tiny_setup):
+    from heads.target import TargetConfig
+
+    _, _, target_dir, target_file, _ = tiny_setup
+    return TargetConfig(name_or_path=str(target_dir), cache_dir=str(Path(target_file).parent))
+
+
+@pytest.mark.parametrize("target_type", TARGET_TYPES)
+def test_each_target_type_serves_the_draft_without_changing_its_output(tiny_setup, target_type):
+    """Every llama_cpp.target_gguf type is made once (cached), loads in llama-server, and its
+    drafted output equals its own plain output: exactly for f32, elsewhere up to counted near
+    ties of its own plain run."""
+    from eval.publish.gguf_export import llama_cpp_proof
+    from heads.interop.gguf import gguf_type_name, target_gguf_of_type
+
+    target, _, _, _, draft_file = tiny_setup
+    path = target_gguf_of_type(_tiny_cfg(tiny_setup), target_type)
+    assert gguf_type_name(path) == TYPE_NAMES[target_type]
+    stamp = path.stat().st_mtime_ns
+    assert target_gguf_of_type(_tiny_cfg(tiny_setup), target_type).stat().st_mtime_ns == stamp
+    prompts = _prompt_ids(target)
+    proof = llama_cpp_proof(str(path), str(draft_file), "draft-eagle3", prompts, NEW_TOKENS,
+                            CHAIN, TYPE_NEAR_TIE, faithful=True)  # fmt: skip
+    ties = proof["near_tie_divergences"]
+    if target_type == "f32":
+        assert not ties and proof["identical"] == len(prompts)
+    assert proof["identical"] + len(ties) == len(prompts)
+    assert proof["llama_cpp_accepted"] > 0, f"{target_type}: the draft accepted nothing"
+    (path.parent / f"proof-{target_type}.json").write_text(json.dumps(proof))
+
+
+# A quantised draft may accept differently from the f32 draft only where its rounded weights flip
+# a proposal, i.e. at the draft's own near ties; each flip moves at most one step's accepted
+# count, by at most the chain. The band below is that of the f32 parity (engine against
+# harness, whose kernels also round differently), widened by one chain per flipped step on 4%
+# of the steps (q8_0 rounds each weight by up to 1/254 of its block's largest).
+QUANT_SHARE = 0.04
+
+
+def _drafted(target_file, draft_file, spec_type: str, chain: int, prompts):
+    engine = {"cache_type": "f32", "flash_attn": "off"}
+    cfg = ServerConfig(model=str(target_file), draft=str(draft_file), spec_type=spec_type,
+                       draft_n_max=chain, **engine)  # fmt: skip
+    return _engine_runs(cfg, prompts)
+
+
+def _quantised_draft_parity(setup, outtype: str, spec_type: str, chain: int) -> dict:
+    """The draft of `setup` exported as `outtype`: smaller, lossless in llama.cpp (the f32
+    target's own plain output), and accepting as the f32 draft does within the band above."""
+    import gguf
+
+    from heads.interop.gguf import export_gguf
+
+    target, head, target_dir, target_file, f32_draft = setup
+    draft = export_gguf(head, target, target_dir, Path(f32_draft).parent / f"d-{outtype}.gguf",
+                        outtype)  # fmt: skip
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(draft)).tensors}
+    assert outtype.upper() in kinds, f"no {outtype} tensor in the draft: {kinds}"
+    assert draft.stat().st_size < Path(f32_draft).stat().st_size
+    prompts = _prompt_ids(target)
+    plain = _engine_runs(
+        ServerConfig(model=str(target_file), cache_type="f32", flash_attn="off"), prompts
+    )
+    ref = _drafted(target_file, f32_draft, spec_type, chain, prompts)
+    got = _drafted(target_file, draft, spec_type, chain, prompts)
+    for ids, a, b in zip(prompts, plain, got):
+        index = first_difference(a.tokens, b.tokens)
+        if index is not None:
+            gap, top1 = top2_gaps(target.model, torch.tensor([ids]), a.tokens)[index]
+            assert gap < NEAR_TIE * max(1.0, abs(top1)), f"{outtype} draft changed token {index}"
+    f32_acc = sum(c.draft_accepted for c in ref)
+    q_acc = sum(c.draft_accepted for c in got)
+    steps = sum(len(c.tokens) - 1 - c.draft_accepted for c in ref)
+    band = max(3, 0.1 * f32_acc) + chain * QUANT_SHARE * steps
+    assert abs(q_acc - f32_acc) <= band, f"{outtype}: accepted {q_acc}, f32 draft {f32_acc}"
+    return {"outtype": outtype, "accepted": q_acc, "f32_accepted": f32_acc, "steps": steps,
+            "band": band, "bytes": draft.stat().st_size}  # fmt: skip
+
+
+@pytest.mark.parametrize("outtype", ["f16", "bf16", "q8_0"])
+def test_quantised_eagle3_drafts_accept_like_the_f32_draft(tiny_setup, outtype):
+    counts = _quantised_draft_parity(tiny_setup, outtype, "draft-eagle3", CHAIN)
+    (Path(tiny_setup[3]).parent / f"quant-{outtype}.json").write_text(json.dumps(counts))
+
+
+def _quantised_block_parity(setup) -> None:
+    from heads.interop.gguf import spec_type_for
+
+    head = setup[1]
+    counts = _quantised_draft_parity(setup, "q8_0", spec_type_for(head), head.max_draft_depth)
+    (Path(setup[3]).parent / "quant-q8_0.json").write_text(json.dumps(counts))
+
+
+def test_quantised_dflash_draft_accepts_like_the_f32_draft(dflash_setup):
+    _quantised_block_parity(dflash_setup)
+
+
+def test_quantised_reduced_vocabulary_block_drafts_accept_like_f32(reduced_block_setup):
+    _quantised_block_parity(reduced_block_setup)  # DFlash and DSpark over d2t
+
+
+def test_llama_bench_measures_a_verify_cost_curve(tiny_setup):
+    from data.engines.llama_tools import verify_cost_curve
+
+    curve = verify_cost_curve(tiny_setup[3], threads=1, batches=(1, 2, 4), depth=16, reps=2)
+    assert set(curve.ms) == {1, 2, 4} and all(v > 0 for v in curve.ms.values())
+    assert curve.depth == 16 and curve.threads == 1 and curve.info["type_k"] == "f16"
+
+
+def test_engine_ceiling_runs_end_to_end_on_the_tiny_target(tiny_setup, tmp_path):
+    from eval.studies.engine_ceiling import CeilingSettings, run_ceiling
+    from eval.studies.engine_ceiling_report import write
+
+    settings = CeilingSettings(
+        types=["f32", "q8_0"], threads=1, batches=[1, 2], depth=16, reps=1,
+        draft_gguf=str(tiny_setup[4]), rates=[[0.5], [1.0]], own_chain=1, prompts=2,
+        max_new_tokens=24,
+    )  # fmt: skip
+    summary = run_ceiling(settings, _tiny_cfg(tiny_setup), "test")
+    fastest = summary["fastest_plain"]["type"]
+    rates = {t: e["plain"]["tokens_per_s"] for t, e in summary["types"].items()}
+    assert rates[fastest] == max(rates.values())
+    for entry in summary["types"].values():
+        half, full = entry["chains"]["1"]["runs"]
+        assert full["tau"] == pytest.approx(2.0, abs=0.05)  # every drafted token accepted
+        assert 1.2 < half["tau"] < 1.8  # about half of them
+        assert entry["chains"]["1"]["break_even_tau_verify_only"] > 0.5
+        own = entry["own"]
+        assert own["tau"] > 1.0 and own["predicted_speedup"] > 0 and "draft_length" in own
+        assert len(entry["verify_curve"]["ms"]) == 2
+    report = write(summary, tmp_path / "ceiling")
+    assert f"**{fastest}**" in report.read_text()

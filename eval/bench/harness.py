@@ -398,20 +398,23 @@ def llama_cpp_settings(cfg, head, run_target, out_dir: Path) -> LlamaCppSettings
     from omegaconf import OmegaConf
 
     from eval.bench.llama_cpp import check_draft_head
-    from heads.interop.gguf import TargetGGUF, export_gguf, gguf_for_target
+    from eval.bench.llama_cpp_targets import resolve_target_ggufs
+    from heads.interop.gguf import export_gguf
 
     doc = OmegaConf.to_container(cfg.llama_cpp, resolve=True)
     settings = LlamaCppSettings(**doc)
-    choice = TargetGGUF.parse(settings.target_gguf)
-    settings.target_gguf = str(gguf_for_target(run_target.config, choice))
+    settings.target_gguf, settings.resolved_types = resolve_target_ggufs(
+        run_target.config, settings.target_gguf
+    )
     if settings.draft_gguf is None and "llama_cpp_draft" in cfg.methods:
         if head is None:
             raise ConfigError(
                 "llama_cpp_draft needs head_path (or llama_cpp.draft_gguf): give head_path=DIR."
             )
         check_draft_head(head)  # a head llama.cpp serves, before exporting it
-        draft = out_dir / "draft-f32.gguf"
-        gguf = export_gguf(head, run_target.target, run_target.source, draft, "f32")
+        kind = settings.draft_outtype
+        draft = out_dir / f"draft-{kind}.gguf"
+        gguf = export_gguf(head, run_target.target, run_target.source, draft, kind)
         settings.draft_gguf = str(gguf)
     return settings
 

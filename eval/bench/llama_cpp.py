@@ -24,6 +24,7 @@ from torch import Tensor
 
 from data.engines.llama_cpp import Completion, EngineError, LlamaServer, ServerConfig
 from data.errors import ConfigError
+from eval.bench.llama_cpp_targets import typed_name
 from eval.bench.methods import Record
 from heads.interop.gguf import gguf_source_format, spec_type_of_gguf
 
@@ -35,8 +36,12 @@ _ACC_PER_POS = re.compile(r"acc per pos = \(([^)]*)\)")
 class LlamaCppSettings:
     """bench.llama_cpp: the GGUF files and the server's settings."""
 
-    target_gguf: str | None = None
+    # a .gguf path, auto, a type (heads.interop.gguf), or a list of them (one set of
+    # methods per entry: eval/bench/llama_cpp_targets.py); resolved to a path or {label: path}
+    target_gguf: str | list | dict | None = None
     draft_gguf: str | None = None
+    draft_outtype: str = "f32"  # the type of a draft exported on the fly (f32, f16, bf16, q8_0)
+    resolved_types: dict | None = None  # filled when resolved: {label: the GGUF's weight type}
     spec_type: str | None = None  # null: read from the draft GGUF (spec_type_of_gguf)
     draft_n_max: int = 3
     draft_n_min: int = 0
@@ -101,12 +106,13 @@ def accept_lengths(completion: Completion, log_chunk: str, n_max: int) -> list[i
 class LlamaCppMethod:
     """One benchmark method served by one llama-server (started on first use)."""
 
-    def __init__(self, name: str, config: ServerConfig) -> None:
+    def __init__(self, name: str, config: ServerConfig, target_label: str = "") -> None:
         self.name, self.config = name, config
         drafts = config.spec_type is not None
         self.max_draft_depth = config.draft_n_max if drafts else 0
-        # a drafting method is compared with (and sped up against) the same engine undrafted
-        self.baseline = "llama_cpp_plain" if drafts else None
+        # a drafting method is compared with (and sped up against) the same engine undrafted,
+        # on the same target type
+        self.baseline = typed_name("llama_cpp_plain", target_label) if drafts else None
         self.server: LlamaServer | None = None
 
     def run(self, input_ids: Tensor, max_new_tokens: int) -> Record:
@@ -146,69 +152,95 @@ class LlamaCppMethod:
 
 
 def build_llama_cpp_methods(names, settings: LlamaCppSettings) -> list[LlamaCppMethod]:
-    """The llama.cpp methods among `names`, in that order."""
+    """The llama.cpp methods among `names`, in that order; with several target GGUFs ({label:
+    path}), each method once per target, named `<method>@<label>`."""
     if not settings.target_gguf:
         raise ValueError(
             "llama.cpp methods need bench.llama_cpp.target_gguf (the target as GGUF; for the "
             "embedded SmolLM2, `python scripts/export.py RUN --format gguf` writes or names one)."
         )
+    targets = settings.target_gguf
+    if not isinstance(targets, dict):
+        targets = {"": targets}
+    out = []
+    for label, path in targets.items():
+        for name in names:
+            cfg = _server_config(name, str(path), settings)
+            if cfg is not None:
+                out.append(LlamaCppMethod(typed_name(name, label), cfg, label))
+    return out
+
+
+def _server_config(name: str, model: str, settings: LlamaCppSettings) -> ServerConfig | None:
     base = dict(
-        model=settings.target_gguf,
+        model=model,
         threads=settings.threads,
         ctx_size=settings.ctx_size,
         cache_type=settings.cache_type,
         flash_attn=settings.flash_attn,
     )
-    out = []
-    for name in names:
-        if name == "llama_cpp_plain":
-            cfg = ServerConfig(**base)
-        elif name == "llama_cpp_draft":
-            if not settings.draft_gguf:
-                raise ValueError(
-                    "llama_cpp_draft needs bench.llama_cpp.draft_gguf (scripts/export.py RUN "
-                    "--format gguf writes it)."
-                )
-            cfg = ServerConfig(
-                **base,
-                draft=settings.draft_gguf,
-                spec_type=settings.spec_type or spec_type_of_gguf(settings.draft_gguf),
-                draft_n_max=settings.draft_n_max,
-                draft_n_min=settings.draft_n_min,
-                draft_p_min=settings.draft_p_min,
-                verbosity=4,
+    if name == "llama_cpp_plain":
+        return ServerConfig(**base)
+    if name == "llama_cpp_draft":
+        if not settings.draft_gguf:
+            raise ValueError(
+                "llama_cpp_draft needs bench.llama_cpp.draft_gguf (scripts/export.py RUN "
+                "--format gguf writes it)."
             )
-        elif name == "llama_cpp_ngram":
-            cfg = ServerConfig(
-                **base, spec_type="ngram-simple", draft_n_max=settings.ngram_n_max, verbosity=4
-            )
-        else:
-            continue
-        out.append(LlamaCppMethod(name, cfg))
-    return out
+        return ServerConfig(
+            **base,
+            draft=settings.draft_gguf,
+            spec_type=settings.spec_type or spec_type_of_gguf(settings.draft_gguf),
+            draft_n_max=settings.draft_n_max,
+            draft_n_min=settings.draft_n_min,
+            draft_p_min=settings.draft_p_min,
+            verbosity=4,
+        )
+    if name == "llama_cpp_ngram":
+        return ServerConfig(
+            **base, spec_type="ngram-simple", draft_n_max=settings.ngram_n_max, verbosity=4
+        )
+    return None
 
 
 def best_draft_length(
-    at_least: list[float], step_ms: dict[int, float], draft_ms_per_token: float = 0.0
+    at_least: list[float],
+    step_ms: dict[int, float] | None = None,
+    draft_ms_per_token: float = 0.0,
+    *,
+    verify_ms: dict[int, float] | None = None,
+    overhead_ms: float = 0.0,
 ) -> tuple[int, dict[int, float]]:
     """The draft length k that maximises expected tokens per millisecond.
 
     at_least[i]: measured share of steps that accept >= i+1 draft tokens when drafting
-    len(at_least) tokens (a shorter draft accepts the same prefix). step_ms: measured target
-    verify milliseconds for some draft lengths (k -> ms; linear in between, held flat beyond).
+    len(at_least) tokens (a shorter draft accepts the same prefix). The target's cost of a step
+    comes from one of two measurements (linear in between, held flat beyond):
+    - step_ms: milliseconds per target step for some draft lengths (k -> ms), e.g. plain and
+      drafted runs of one benchmark (scripts/draft_length.py);
+    - verify_ms: a verify-cost curve, milliseconds to decode a batch of b tokens (b -> ms, from
+      `llama-bench -p 1,2,4,8,16 -n 0 -d D`, eval/studies/engine_ceiling.py), a step drafting k
+      tokens
+      verifying k+1, plus `overhead_ms` per step (the server's own work beyond the forward).
     Expected tokens per step with k drafted = 1 + sum(at_least[:k]); cost = verify(k) +
     k * draft_ms_per_token. Returns (best k, k -> expected tokens per second).
     """
-    known = sorted(step_ms)
+    if (step_ms is None) == (verify_ms is None):
+        raise ValueError("best_draft_length takes exactly one of step_ms and verify_ms")
+    if verify_ms is not None:
+        costs = {b - 1: ms + overhead_ms for b, ms in verify_ms.items() if b >= 1}
+    else:
+        costs = step_ms
+    known = sorted(costs)
 
     def verify(k: int) -> float:
         if k <= known[0]:
-            return step_ms[known[0]]
+            return costs[known[0]]
         for lo, hi in zip(known, known[1:]):
             if lo <= k <= hi:
                 w = (k - lo) / (hi - lo)
-                return step_ms[lo] * (1 - w) + step_ms[hi] * w
-        return step_ms[known[-1]]
+                return costs[lo] * (1 - w) + costs[hi] * w
+        return costs[known[-1]]
 
     speed = {}
     for k in range(0, len(at_least) + 1):
@@ -216,3 +248,15 @@ def best_draft_length(
         speed[k] = 1000 * tokens / (verify(k) + k * draft_ms_per_token)
     best = max(speed, key=speed.get)
     return best, speed
+
+
+def draft_length_limits(speed: dict[int, float]) -> tuple[int, int]:
+    """(--spec-draft-n-max, --spec-draft-n-min) from best_draft_length's k -> tokens/s: n-max
+    the best length; n-min the shortest draft still faster than not drafting (llama.cpp drops
+    a draft that stops early, at --spec-draft-p-min, below n-min: a plain step is then
+    cheaper). (0, 0): drafting does not pay at any length."""
+    n_max = max(speed, key=speed.get)
+    if n_max == 0:
+        return 0, 0
+    n_min = min(k for k in speed if k >= 1 and speed[k] >= speed[0])
+    return n_max, n_min

@@ -10,6 +10,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from eval.bench.llama_cpp_targets import add_fastest_plain, fastest_plain_lines
+
 DEFINITIONS = {
     "tau": "acceptance length: tokens emitted by the decode forwards divided by the number of "
     "decode forwards, pooled over all requests (sum of tokens / sum of forwards). A decode "
@@ -136,7 +138,9 @@ def summarize(
     for name, base in (baselines or {}).items():
         if name in methods:
             methods[name]["baseline"] = base
-    return {"meta": meta, "definitions": DEFINITIONS, "methods": methods}
+    summary = {"meta": meta, "definitions": dict(DEFINITIONS), "methods": methods}
+    add_fastest_plain(summary)  # llama.cpp methods: also against the fastest plain type
+    return summary
 
 
 # ---- report.md -------------------------------------------------------------------------------
@@ -220,6 +224,7 @@ def render_markdown(summary: dict, plots: Sequence[str]) -> str:
     lines += ["", "## Overall", ""]
     overall = [_row_cells(name, e["overall"], 0) for name, e in methods.items()]
     lines += _table(["method", *HEADER[1:]], overall)
+    lines += fastest_plain_lines(summary)
     for name, entry in methods.items():
         depth = entry["max_draft_depth"]
         header = ["category", *HEADER[1:], *(f"accept >= {d}" for d in range(1, depth + 1))]

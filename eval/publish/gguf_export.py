@@ -135,11 +135,13 @@ def export_gguf_run(
 ) -> dict:
     """Write the draft GGUF (and the target's when asked) into `out`, proved in llama.cpp."""
     import heads
+    from data.engines.llama_tools import QUANT_TYPES
     from heads.interop.gguf import TargetGGUF, export_gguf, gguf_for_target, spec_type_for
 
-    if target_outtype is not None and target_outtype not in GGUF_OUTTYPES:
+    allowed = (*GGUF_OUTTYPES, *(q for q in QUANT_TYPES if q not in GGUF_OUTTYPES))
+    if target_outtype is not None and target_outtype not in allowed:
         raise ValueError(
-            f"--target-outtype {target_outtype}: use one of {', '.join(GGUF_OUTTYPES)}, or leave "
+            f"--target-outtype {target_outtype}: use one of {', '.join(allowed)}, or leave "
             "it out for the target's own GGUF."
         )
     choice = TargetGGUF.parse(target_outtype)  # the target's own file, or converted once

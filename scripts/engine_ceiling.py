@@ -1,0 +1,84 @@
+"""Measure llama.cpp's ceiling for drafts on this CPU, per target type.
+
+The logic lives in eval/studies/engine_ceiling.py.
+
+    python scripts/engine_ceiling.py --draft DRAFT.gguf --out docs/engine_ceiling
+
+Per type: llama-bench's verify-cost curve, plain llama-server tokens/s, llama-server with the
+draft under forced acceptance (--spec-synth-rates) and with its own; break-even tau per type
+and chain length, the predicted speedup at the draft's own tau, the fastest plain type. Writes
+OUT/report.md, OUT/summary.json and plots. Rates: per-position vectors split by ';'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+
+FULL = (
+    "python scripts/engine_ceiling.py --model smollm2_135m --draft {draft} --threads 2 "
+    "--types q4_0,auto,q4_k_m,q8_0,bf16,f32 --batches 1,2,4,8,16 --depth 256 --reps 5 "
+    "--rates '0.6;0.55,0.30,0.15;0.75,0.55,0.40;1,1,1' --own-chain 3 --prompts 8 "
+    "--max-new-tokens 128 --out docs/engine_ceiling"
+)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2_135m", help="embedded name or HF folder")
+    p.add_argument("--draft", help="a draft GGUF (scripts/export.py --format gguf)")
+    p.add_argument("--spec-type", help="default: read from the draft GGUF")
+    p.add_argument("--types", default="q4_0,auto,q4_k_m,q8_0,bf16,f32")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batches", default="1,2,4,8,16")
+    p.add_argument("--depth", type=int, default=256)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--rates", default="0.6;0.55,0.30,0.15;0.75,0.55,0.40;1,1,1")
+    p.add_argument("--own-chain", type=int, default=3, help="0: skip the draft's own run")
+    p.add_argument("--prompts", type=int, default=8, help="MT-bench first turns")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--out", type=Path, default=Path("docs/engine_ceiling"))
+    args = p.parse_args(argv)
+
+    from eval.studies.engine_ceiling_report import write
+
+    from data.engines.llama_cpp import EngineError
+    from eval.studies.engine_ceiling import CeilingSettings, run_ceiling
+    from heads.target import TargetConfig
+
+    try:
+        settings = CeilingSettings(
+            types=[t for t in args.types.split(",") if t],
+            threads=args.threads,
+            batches=_ints(args.batches),
+            depth=args.depth,
+            reps=args.reps,
+            draft_gguf=args.draft,
+            spec_type=args.spec_type,
+            rates=[[float(x) for x in v.split(",")] for v in args.rates.split(";") if v],
+            own_chain=args.own_chain,
+            prompts=args.prompts,
+            max_new_tokens=args.max_new_tokens,
+        )
+        cache = os.environ.get("DRAFTSMITH_CACHE") or "~/.cache/draftsmith"
+        command = shlex.join(["python", "scripts/engine_ceiling.py", *(argv or sys.argv[1:])])
+        summary = run_ceiling(settings, TargetConfig(args.model, cache_dir=cache), command)
+    except (EngineError, ValueError, FileNotFoundError) as e:
+        print(f"engine_ceiling failed: {e}", file=sys.stderr)
+        return 1
+    summary["full_command"] = FULL.format(draft=args.draft or "DRAFT.gguf")
+    print(f"wrote {write(summary, args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
