@@ -218,3 +218,39 @@ def test_analyse_splits_the_gap(fitted):
     assert 1.0 <= result["validation_trainer"]["val/chain_tau_est"] <= 4.0
     table = markdown(result)
     assert "(c) only the positions decoding" in table and "drafted-token mismatches" in table
+
+
+def test_script_on_a_run_dir(tmp_path):
+    """scripts/acceptance_gap.py on a run dir (config.yaml and a head; eagle3_tiny's target and
+    data): the table prints and the JSON holds every section."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from heads.target import load_target
+    from train.rundir import write_run_config
+
+    root = Path(__file__).resolve().parents[1]
+    with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["+experiment=eagle3_tiny", "data.max_length=128"])
+    write_run_config(tmp_path, OmegaConf.to_container(cfg, resolve=True))
+    target = load_target(instantiate(cfg.model))
+    torch.manual_seed(0)
+    counts = torch.arange(target.vocab_size).flip(0)  # any counts: a reduced vocabulary
+    config = Eagle3Config(draft_vocab_size=512, ttt_steps=3)
+    head = Eagle3Head.for_target(config, target, token_counts=counts)
+    head.save_pretrained(tmp_path / "head")
+    sys.path.insert(0, str(root / "scripts"))
+    from acceptance_gap import main
+
+    out = tmp_path / "gap.json"
+    args = ["--run-dir", str(tmp_path), "--limit", "2", "--max-new-tokens", "6"]
+    assert main([*args, "--val-limit", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["decode"]["greedy_mismatches"] == 0
+    assert result["setup"]["validation_conversations"] == 2
+    assert result["validation"]["rows"] > 0 and result["mt_bench"]["rows"] > 0
