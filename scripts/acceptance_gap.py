@@ -21,6 +21,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
 
+def references_for(path: str | None, target, prompts: list, max_new_tokens: int) -> list[list[int]]:
+    """HF generate's greedy answers to `prompts`: read from `path` (JSON) when it holds them for
+    this target, these prompts and this length, else computed (and written there)."""
+    from eval.analysis.acceptance_gap import hf_greedy
+    from train.rundir import write_json_atomic
+
+    want = {"target": target.fingerprint, "max_new_tokens": max_new_tokens}
+    asked = [p[0].tolist() for p in prompts]
+    if path and Path(path).is_file():
+        doc = json.loads(Path(path).read_text())
+        rows = doc.get("rows", [])[: len(asked)]
+        if {k: doc.get(k) for k in want} == want and [r["prompt"] for r in rows] == asked:
+            return [r["tokens"] for r in rows]
+    answers = hf_greedy(target, prompts, max_new_tokens)
+    if path:
+        rows = [{"prompt": p, "tokens": a} for p, a in zip(asked, answers, strict=True)]
+        write_json_atomic(path, {**want, "rows": rows})
+    return answers
+
+
 def main(argv: list[str] | None = None) -> int:
     import heads
     from eval.analysis.acceptance_gap import analyse, chat_prompts, load_run, markdown
@@ -36,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val-limit", type=int, help="validation conversations (default all)")
     parser.add_argument("--greedy-limit", type=int, help="of those, first turns regenerated")
     parser.add_argument("--out", help="write the numbers here (JSON)")
+    parser.add_argument("--references", help="HF generate's answers, read/written here (JSON)")
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
@@ -45,9 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.run_dir} holds no head (best_head/ or head/): pass --head.")
     head = heads.from_pretrained(str(head_dir), target).eval()
     prompts = chat_prompts(args.prompts, args.limit, target.tokenizer)
+    references = references_for(args.references, target, prompts, args.max_new_tokens)
     result = analyse(
         head, target, val[: args.val_limit], prompts, args.max_new_tokens, args.depth,
-        args.greedy_limit,
+        args.greedy_limit, references,
     )  # fmt: skip
     result["setup"] = {
         "head": str(head_dir),

@@ -167,26 +167,40 @@ class DecodedTurn:
 
 
 @torch.no_grad()
-def decode_turns(head, target, prompts: list[Tensor], max_new_tokens: int, depth: int):
-    """Greedy chain decoding (depth `depth`) of each prompt [1, P], recorded, beside HF generate."""
+def hf_greedy(target, prompts: list[Tensor], max_new_tokens: int) -> list[list[int]]:
+    """HF generate's greedy new tokens for each prompt [1, P] (the target's own dtype)."""
+    from data.generation import eos_token_ids
+    from eval.methods import HFGenerateMethod
+
+    hf = HFGenerateMethod("hf", target.model, eos_token_ids(target), target.tokenizer.pad_token_id)
+    return [hf.run(ids, max_new_tokens).tokens for ids in prompts]
+
+
+@torch.no_grad()
+def decode_turns(
+    head, target, prompts: list[Tensor], max_new_tokens: int, depth: int,
+    references: list[list[int]] | None = None,
+) -> list[DecodedTurn]:  # fmt: skip
+    """Greedy chain decoding (depth `depth`) of each prompt [1, P], recorded, beside HF
+    generate's answer (`references`, computed when not given)."""
     from data.generation import eos_token_ids
     from eval.generator import SpeculativeGenerator
-    from eval.methods import HFGenerateMethod, make_proposer
+    from eval.methods import make_proposer
     from eval.verify import GreedyVerifier
 
     head.eval()
-    eos = eos_token_ids(target)
+    references = references or hf_greedy(target, prompts, max_new_tokens)
     recorder = ChainRecorder(make_proposer(head, depth))
-    generator = SpeculativeGenerator(target.model, recorder, GreedyVerifier(), eos_token_id=eos)
-    reference = HFGenerateMethod("hf", target.model, eos, target.tokenizer.pad_token_id)
+    generator = SpeculativeGenerator(
+        target.model, recorder, GreedyVerifier(), eos_token_id=eos_token_ids(target)
+    )
     turns = []
-    for ids in prompts:
+    for ids, reference in zip(prompts, references, strict=True):
         recorder.rounds = []
         result = generator.generate(ids, max_new_tokens)
-        ref = reference.run(ids, max_new_tokens).tokens
         turns.append(
             DecodedTurn(
-                ids[0].tolist(), result.new_tokens.tolist(), ref, recorder.rounds,
+                ids[0].tolist(), result.new_tokens.tolist(), reference, recorder.rounds,
                 result.num_target_forwards,
             )
         )  # fmt: skip
@@ -260,18 +274,13 @@ def data_agreement(seqs: list[SequenceHits], examples: list[tuple[Tensor, Tensor
 # ---- the whole analysis -----------------------------------------------------------------------
 
 
-@torch.no_grad()
 def greedy_answers(target, firsts: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
     """The fp32 target's own greedy answer (HF generate) to each first turn's prompt, as long as
     the data's answer at most: (input_ids, loss_mask) like `first_turn`'s."""
-    from data.generation import eos_token_ids
-    from eval.methods import HFGenerateMethod
-
-    hf = HFGenerateMethod("hf", target.model, eos_token_ids(target), target.tokenizer.pad_token_id)
     out = []
     for ids, mask in firsts:
         start = mask.tolist().index(1)
-        new = hf.run(ids[None, :start], int(mask.sum())).tokens
+        new = hf_greedy(target, [ids[None, :start]], int(mask.sum()))[0]
         seq = torch.cat([ids[:start], torch.tensor(new, dtype=torch.long)])
         labels = torch.zeros_like(seq)
         labels[start:] = 1
@@ -303,10 +312,11 @@ def loss_metrics(head, target, examples: list[dict], feature_dtype=torch.float16
 
 def analyse(
     head, target, val_examples: list[dict], prompts: list[Tensor], max_new_tokens: int = 128,
-    depth: int = 3, greedy_limit: int | None = None,
+    depth: int = 3, greedy_limit: int | None = None, references: list[list[int]] | None = None,
 ) -> dict:  # fmt: skip
     """Every measurement of the gap (see the module doc); `prompts` [1, P] each (MT-bench first
-    turns), `greedy_limit`: first-turn prompts of the validation split regenerated in fp32."""
+    turns), `greedy_limit`: first-turn prompts of the validation split regenerated in fp32,
+    `references`: HF generate's answers to `prompts` when already known (`hf_greedy`)."""
     head.eval()
     pairs = [(e["input_ids"], e["loss_mask"]) for e in val_examples]
     val = [teacher_forced(head, target, ids, mask, depth) for ids, mask in pairs]
@@ -314,7 +324,7 @@ def analyse(
     val_first = [teacher_forced(head, target, ids, mask, depth) for ids, mask in firsts]
     regenerated = greedy_answers(target, firsts)
     val_greedy = [teacher_forced(head, target, ids, mask, depth) for ids, mask in regenerated]
-    turns = decode_turns(head, target, prompts, max_new_tokens, depth)
+    turns = decode_turns(head, target, prompts, max_new_tokens, depth, references)
     bench = [teacher_forced(head, target, *turn.sequence(), depth) for turn in turns]
     return {
         "depth": depth,
