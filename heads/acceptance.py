@@ -43,16 +43,21 @@ def label_runs(loss_mask: list[int], segments: list[int] | None = None) -> list[
     return runs
 
 
-def walk_turn(accepted: list[int], first: int, last: int) -> int:
-    """Verification rounds greedy chain decoding spends on one assistant turn whose labels are
-    the tokens first..last: the first token comes from the prompt's forward (not a round), then
-    each round queries the draft at row t (the root x_{t+1} is the last emitted token), accepts
-    `accepted[t]` tokens and adds the bonus token."""
-    t, rounds = first - 1, 0
+def walk_rows(accepted: list[int], first: int, last: int) -> list[int]:
+    """The rows at which greedy chain decoding queries the draft on one assistant turn whose
+    labels are the tokens first..last: the first token comes from the prompt's forward (not a
+    round), then each round queries row t (the root x_{t+1} is the last emitted token),
+    accepts `accepted[t]` tokens and adds the bonus token."""
+    t, rows = first - 1, []
     while t + 1 < last:
+        rows.append(t)
         t += accepted[t] + 1
-        rounds += 1
-    return rounds
+    return rows
+
+
+def walk_turn(accepted: list[int], first: int, last: int) -> int:
+    """How many verification rounds `walk_rows` takes."""
+    return len(walk_rows(accepted, first, last))
 
 
 def chain_walk(
@@ -113,5 +118,6 @@ __all__ = [
     "chain_tau",
     "chain_walk",
     "label_runs",
+    "walk_rows",
     "walk_turn",
 ]

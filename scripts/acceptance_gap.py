@@ -21,7 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
 
-def references_for(path: str | None, target, prompts: list, max_new_tokens: int) -> list[list[int]]:
+def references_for(
+    path: str | None, target, prompts: list, max_new_tokens: int | list[int]
+) -> list[list[int]]:
     """HF generate's greedy answers to `prompts`: read from `path` (JSON) when it holds them for
     this target, these prompts and this length, else computed (and written there)."""
     from eval.analysis.acceptance_gap import hf_greedy
@@ -43,7 +45,13 @@ def references_for(path: str | None, target, prompts: list, max_new_tokens: int)
 
 def main(argv: list[str] | None = None) -> int:
     import heads
-    from eval.analysis.acceptance_gap import analyse, chat_prompts, load_run, markdown
+    from eval.analysis.acceptance_gap import (
+        analyse,
+        chat_prompts,
+        first_turn_prompts,
+        load_run,
+        markdown,
+    )
     from train.rundir import kept_head, write_json_atomic
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -54,9 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--depth", type=int, default=3, help="the chain's depth")
     parser.add_argument("--val-limit", type=int, help="validation conversations (default all)")
-    parser.add_argument("--greedy-limit", type=int, help="of those, first turns regenerated")
+    parser.add_argument(
+        "--greedy-limit", type=int, default=0, help="of those, first turns regenerated in fp32"
+    )
+    parser.add_argument("--greedy-max-new", type=int, default=128, help="their longest answer")
+    parser.add_argument("--decode-limit", type=int, help="MT-bench prompts decoded (default all)")
     parser.add_argument("--out", help="write the numbers here (JSON)")
     parser.add_argument("--references", help="HF generate's answers, read/written here (JSON)")
+    parser.add_argument("--val-references", help="the same for the regenerated first turns")
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
@@ -66,15 +79,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.run_dir} holds no head (best_head/ or head/): pass --head.")
     head = heads.from_pretrained(str(head_dir), target).eval()
     prompts = chat_prompts(args.prompts, args.limit, target.tokenizer)
-    references = references_for(args.references, target, prompts, args.max_new_tokens)
+    answers = references_for(args.references, target, prompts, args.max_new_tokens)
+    val = val[: args.val_limit]
+    firsts = first_turn_prompts(val[: args.greedy_limit])
+    limits = [min(n, args.greedy_max_new) for _, n in firsts]
+    firsts_prompts = [p for p, _ in firsts]
+    regenerated = references_for(args.val_references, target, firsts_prompts, limits)
     result = analyse(
-        head, target, val[: args.val_limit], prompts, args.max_new_tokens, args.depth,
-        args.greedy_limit, references,
+        head, target, val, list(zip(prompts, answers, strict=True)),
+        list(zip(firsts_prompts, regenerated, strict=True)), args.max_new_tokens, args.depth,
+        args.decode_limit,
     )  # fmt: skip
     result["setup"] = {
         "head": str(head_dir),
         "command": " ".join(["python", "scripts/acceptance_gap.py", *(argv or sys.argv[1:])]),
-        "validation_conversations": len(val[: args.val_limit]),
+        "validation_conversations": len(val),
+        "regenerated_first_turns": len(firsts),
+        "decoded": len(prompts[: args.decode_limit]),
         "prompts": args.prompts,
         "limit": args.limit,
         "max_new_tokens": args.max_new_tokens,

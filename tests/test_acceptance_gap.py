@@ -23,11 +23,14 @@ from eval.analysis.acceptance_gap import (
     decode_stats,
     decode_turns,
     first_turn,
+    first_turn_prompts,
+    hf_greedy,
     markdown,
     queried_rows,
     summarize,
     teacher_forced,
     ttt_unroll,
+    walked_rows,
 )
 from eval.generator import SpeculativeGenerator
 from eval.methods import make_proposer
@@ -174,6 +177,7 @@ def test_walk_on_greedy_answers_is_the_measured_tau(fitted):
     assert 1.5 < decoded["tau"] < 4
     assert everywhere["tau_walk"] == pytest.approx(decoded["tau"], abs=1e-12)
     assert queried["accept"] == pytest.approx(decoded["accept"], abs=1e-12)
+    assert walked_rows(seqs) == queried_rows(turns)  # the walk queries where decoding did
     assert data_agreement(seqs, [turn.sequence() for turn in turns]) == 1.0
 
 
@@ -211,10 +215,19 @@ def test_first_turn_keeps_the_first_answer():
 @torch.no_grad()
 def test_analyse_splits_the_gap(fitted):
     target, head, examples = fitted
-    result = analyse(head, target, examples, _prompts(), max_new_tokens=NEW, depth=3)
+    prompts = _prompts()
+    bench = list(zip(prompts, hf_greedy(target, prompts, NEW), strict=True))
+    firsts = first_turn_prompts(examples)
+    answers = hf_greedy(target, [p for p, _ in firsts], [n for _, n in firsts])
+    regenerated = [(p, a) for (p, _), a in zip(firsts, answers, strict=True)]
+    result = analyse(head, target, examples, bench, regenerated, NEW, 3, decode_limit=1)
+    # one prompt decoded, both walked
+    assert 0 < result["decode_queried"]["rows"] < result["mt_bench_queried"]["rows"]
     steps = causes(result)
-    assert steps[-1][1] == result["decode"]["tau"]
-    assert steps[-2][1] == pytest.approx(steps[-1][1])  # the walk on greedy answers is exact
+    assert steps[-1][2] == pytest.approx(0.0, abs=1e-12)  # (d): decoding is the walk
+    # the fitted examples are the target's own greedy answers: regenerating changes nothing
+    first, greedy = (s for s in steps if s[0].startswith(("    first", "(e)")))
+    assert greedy[1] == pytest.approx(first[1]) and greedy[2] == pytest.approx(0.0)
     assert 1.0 <= result["validation_trainer"]["val/chain_tau_est"] <= 4.0
     table = markdown(result)
     assert "(c) only the positions decoding" in table and "drafted-token mismatches" in table

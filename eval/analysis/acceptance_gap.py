@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from heads.acceptance import accepted_lengths, chain_tau, chain_walk
+from heads.acceptance import accepted_lengths, chain_tau, chain_walk, label_runs, walk_rows
 from heads.base import batch_positions, label_mask, masked_shift
 from heads.draft_layer import DraftCache
 from heads.eagle3 import ttt_attention_mask
@@ -167,13 +167,15 @@ class DecodedTurn:
 
 
 @torch.no_grad()
-def hf_greedy(target, prompts: list[Tensor], max_new_tokens: int) -> list[list[int]]:
-    """HF generate's greedy new tokens for each prompt [1, P] (the target's own dtype)."""
+def hf_greedy(target, prompts: list[Tensor], max_new_tokens: int | list[int]) -> list[list[int]]:
+    """HF generate's greedy new tokens for each prompt [1, P] (the target's own dtype), at most
+    `max_new_tokens` (one number, or one per prompt)."""
     from data.generation import eos_token_ids
     from eval.methods import HFGenerateMethod
 
     hf = HFGenerateMethod("hf", target.model, eos_token_ids(target), target.tokenizer.pad_token_id)
-    return [hf.run(ids, max_new_tokens).tokens for ids in prompts]
+    limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+    return [hf.run(ids, n).tokens for ids, n in zip(prompts, limits, strict=True)]
 
 
 @torch.no_grad()
@@ -274,17 +276,32 @@ def data_agreement(seqs: list[SequenceHits], examples: list[tuple[Tensor, Tensor
 # ---- the whole analysis -----------------------------------------------------------------------
 
 
-def greedy_answers(target, firsts: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
-    """The fp32 target's own greedy answer (HF generate) to each first turn's prompt, as long as
-    the data's answer at most: (input_ids, loss_mask) like `first_turn`'s."""
+def answered(prompt: Tensor, answer: list[int]) -> tuple[Tensor, Tensor]:
+    """(input_ids, loss_mask) (T,) of a prompt [1, P] or (P,) and an answer, labels on it."""
+    prompt = prompt.reshape(-1)
+    ids = torch.cat([prompt, torch.tensor(answer, dtype=torch.long)])
+    mask = torch.zeros_like(ids)
+    mask[prompt.numel() :] = 1
+    return ids, mask
+
+
+def first_turn_prompts(examples: list[dict]) -> list[tuple[Tensor, int]]:
+    """(prompt [1, P], the data's answer length) of each conversation's first assistant turn."""
     out = []
-    for ids, mask in firsts:
+    for example in examples:
+        ids, mask = first_turn(example["input_ids"], example["loss_mask"])
         start = mask.tolist().index(1)
-        new = hf_greedy(target, [ids[None, :start]], int(mask.sum()))[0]
-        seq = torch.cat([ids[:start], torch.tensor(new, dtype=torch.long)])
-        labels = torch.zeros_like(seq)
-        labels[start:] = 1
-        out.append((seq, labels))
+        out.append((ids[None, :start], int(mask.sum())))
+    return out
+
+
+def walked_rows(seqs: list[SequenceHits]) -> list[list[int]]:
+    """Per sequence, the rows greedy chain decoding queries (heads.acceptance.walk_rows)."""
+    out = []
+    for seq in seqs:
+        accepted = accepted_lengths(seq.hits[:, None])[0].tolist()
+        runs = label_runs(seq.loss_mask.tolist())
+        out.append([t for first, last in runs for t in walk_rows(accepted, first, last)])
     return out
 
 
@@ -311,64 +328,86 @@ def loss_metrics(head, target, examples: list[dict], feature_dtype=torch.float16
 
 
 def analyse(
-    head, target, val_examples: list[dict], prompts: list[Tensor], max_new_tokens: int = 128,
-    depth: int = 3, greedy_limit: int | None = None, references: list[list[int]] | None = None,
+    head, target, val_examples: list[dict], bench: list[tuple[Tensor, list[int]]],
+    regenerated: list[tuple[Tensor, list[int]]] = (), max_new_tokens: int = 128, depth: int = 3,
+    decode_limit: int | None = None,
 ) -> dict:  # fmt: skip
-    """Every measurement of the gap (see the module doc); `prompts` [1, P] each (MT-bench first
-    turns), `greedy_limit`: first-turn prompts of the validation split regenerated in fp32,
-    `references`: HF generate's answers to `prompts` when already known (`hf_greedy`)."""
+    """Every measurement of the gap (see the module doc).
+
+    bench: (prompt [1, P], HF generate's greedy answer) per MT-bench first turn (`hf_greedy`);
+    regenerated: the same for the first turns of the first len(regenerated) validation
+    conversations; decode_limit: how many bench prompts speculative decoding runs (all by
+    default; on the rest the walk over the greedy answer stands for it, exact when the decoded
+    turns show no mismatch)."""
     head.eval()
+
+    def unrolled(pairs):
+        return [teacher_forced(head, target, ids, mask, depth) for ids, mask in pairs]
+
     pairs = [(e["input_ids"], e["loss_mask"]) for e in val_examples]
-    val = [teacher_forced(head, target, ids, mask, depth) for ids, mask in pairs]
-    firsts = [first_turn(ids, mask) for ids, mask in pairs][:greedy_limit]
-    val_first = [teacher_forced(head, target, ids, mask, depth) for ids, mask in firsts]
-    regenerated = greedy_answers(target, firsts)
-    val_greedy = [teacher_forced(head, target, ids, mask, depth) for ids, mask in regenerated]
-    turns = decode_turns(head, target, prompts, max_new_tokens, depth, references)
-    bench = [teacher_forced(head, target, *turn.sequence(), depth) for turn in turns]
-    return {
+    val = unrolled(pairs)
+    firsts = unrolled([first_turn(ids, mask) for ids, mask in pairs][: len(regenerated)])
+    greedy = unrolled([answered(p, a) for p, a in regenerated])
+    answers = unrolled([answered(p, a) for p, a in bench])
+    shown = bench[:decode_limit]
+    turns = decode_turns(
+        head, target, [p for p, _ in shown], max_new_tokens, depth, [a for _, a in shown]
+    )
+    decoded = unrolled([turn.sequence() for turn in turns])
+    result = {
         "depth": depth,
         "validation": summarize(val),
         "validation_trainer": loss_metrics(head, target, val_examples),
         "data_agreement": data_agreement(val, pairs),
-        "validation_first_turns": summarize(val_first),
-        "validation_fp32_greedy": summarize(val_greedy),
-        "mt_bench": summarize(bench),
-        "mt_bench_queried": summarize(bench, queried_rows(turns)),
-        "decode": decode_stats(turns, bench),
+        "mt_bench": summarize(answers),
+        "mt_bench_queried": summarize(answers, walked_rows(answers)),
+        "decode": decode_stats(turns, decoded),
+        "decode_walk": summarize(decoded)["tau_walk"],
+        "decode_queried": summarize(decoded, queried_rows(turns)),
     }
+    if regenerated:
+        result["validation_first_turns"] = summarize(firsts)
+        result["validation_fp32_greedy"] = summarize(greedy)
+    return result
 
 
-def causes(result: dict) -> list[tuple[str, float]]:
-    """The chain from the old estimate to measured decoding, one cause a step."""
-    v, f = result["validation"], result["validation_first_turns"]
-    g, m = result["validation_fp32_greedy"], result["mt_bench"]
-    return [
+def causes(result: dict) -> list[tuple[str, float, float | None]]:
+    """(step, chain tau, change) from the old estimate to measured decoding, a cause a step."""
+    v, m, d = result["validation"], result["mt_bench"], result["decode"]
+    steps = [
         ("validation top-1 in-vocab, unconditional: 1 + q1 + q1 q2 + ... (old estimate)",
          v["tau_in_vocab"]),
         ("(a) out-of-vocabulary positions count as misses", v["tau_all"]),
         ("(f) conditional chain acceptance p(d | 1..d-1 right)", v["tau_cond"]),
         ("(c) only the positions decoding queries (walk) = val/chain_tau_est", v["tau_walk"]),
-        ("    first assistant turns only (same walk)", f["tau_walk"]),
-        ("(e) the fp32 target's greedy answers to those prompts", g["tau_walk"]),
-        ("(b) MT-bench first turns, fp32 greedy (walk)", m["tau_walk"]),
-        ("(d) decoding in the harness, measured", result["decode"]["tau"]),
     ]  # fmt: skip
+    if "validation_first_turns" in result:
+        f, g = result["validation_first_turns"], result["validation_fp32_greedy"]
+        steps += [
+            ("    first assistant turns only (same walk)", f["tau_walk"]),
+            ("(e) the fp32 target's greedy answers to those prompts", g["tau_walk"]),
+        ]
+    steps.append(("(b) MT-bench first turns, fp32 greedy answers (walk)", m["tau_walk"]))
+    out = [(name, tau, None if i == 0 else tau - steps[i - 1][1]) for i, (name, tau) in
+           enumerate(steps)]  # fmt: skip
+    change = d["tau"] - result["decode_walk"]  # (d): decoding against the walk, same turns
+    out.append(("(d) decoding in the harness minus the walk, same turns", m["tau_walk"] + change,
+                change))  # fmt: skip
+    return out
 
 
 def markdown(result: dict) -> str:
     """The causes table and the per-depth rates, as docs/acceptance_gap.md shows them."""
     lines = ["| step | chain tau | change |", "|---|---:|---:|"]
-    previous = None
-    for name, tau in causes(result):
-        change = "" if previous is None else f"{tau - previous:+.3f}"
-        lines.append(f"| {name} | {tau:.3f} | {change} |")
-        previous = tau
+    for name, tau, change in causes(result):
+        lines.append(f"| {name} | {tau:.3f} | {'' if change is None else f'{change:+.3f}'} |")
     lines += ["", "| set | rows | outside vocab | top-1 in-vocab | top-1 all | conditional "
               "| tau uncond in-vocab | tau uncond all | tau cond | tau walk |",
               "|---|---:|---|---|---|---|---:|---:|---:|---:|"]  # fmt: skip
     for key in ("validation", "validation_first_turns", "validation_fp32_greedy", "mt_bench",
-                "mt_bench_queried"):  # fmt: skip
+                "mt_bench_queried", "decode_queried"):  # fmt: skip
+        if key not in result:
+            continue
         s = result[key]
         walk = f"{s['tau_walk']:.3f}" if "tau_walk" in s else "-"
         lines.append(
@@ -377,7 +416,8 @@ def markdown(result: dict) -> str:
             f"| {s['tau_all']:.3f} | {s['tau_cond']:.3f} | {walk} |"
         )
     d = result["decode"]
-    lines += ["", f"decoding: tau {d['tau']:.3f} over {d['rounds']} rounds; acceptance per depth "
+    lines += ["", f"decoding: tau {d['tau']:.3f} over {d['rounds']} rounds (the walk over the same "
+              f"turns: {result['decode_walk']:.3f}); acceptance per depth "
               f"conditional {_fmt(d['accept'])}, unconditional {_fmt(d['accept_unconditional'])};"
               f" drafted-token mismatches against the unroll {d['drafted_mismatches']}, "
               f"accepted-length mismatches {d['accepted_mismatches']}, turns differing from HF "
