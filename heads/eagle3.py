@@ -37,6 +37,10 @@ not, the renormalised distribution would teach the draft to prefer a token the t
 pick. That needs the target's greedy token over its whole vocabulary: computed once per example
 from its cached features (`example_targets`) and kept for later epochs, or per batch with online
 features. `mask_outside_vocab=False` keeps those positions and needs no full-vocabulary projection.
+
+Validation (eval mode) also reports what a chain of `ttt_steps` tokens would be worth when
+decoding (heads/acceptance.py): `step{i}/top1_all` (tokens outside the draft vocab count as
+misses), `step{i}/accept` (conditional on the earlier steps being right) and `chain_tau_est`.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from heads.acceptance import chain_stats
 from heads.base import (
     FeatureDrafter,
     LossOutput,
@@ -382,11 +387,16 @@ class Eagle3Head(nn.Module):
         # row t at step i lies on a drafted chain a greedy verifier would still be following:
         # steps 0..i-1 of row t all predicted the target's top-1
         on_chain = torch.ones(B, T, dtype=torch.bool, device=device)
+        # validation only: what a chain would be accepted for (heads/acceptance.py)
+        greedy = None if self.training else self.greedy_tokens(features["hidden"], labelled, argmax)
+        chain: list[tuple[Tensor, Tensor]] = []
         for i in range(self.config.ttt_steps):
             tokens = shift_left(ids, i + 1)  # row t: x_{t+i+1}
             mask = ttt_attention_mask(T, i, device, segments)
             mask = mask if segments is not None else mask[None, None]
             hidden = self.draft_hidden(tokens, hidden, positions + i, cache, mask)
+            if greedy is not None:
+                chain.append(self.chain_hits(hidden, greedy, batch, i))
             # row t predicts x_{t+i+2}: the target's distribution at position t+i+1
             valid = label_mask(batch, i + 2) & shift_left(usable, i + 1)
             want = probs[shift_left(index, i + 1)[valid]]  # (N, D)
@@ -413,6 +423,10 @@ class Eagle3Head(nn.Module):
         stats["head0/top1"] = stats["step0/top1"]
         stats[f"head0/top{k}"] = stats[f"step0/top{k}"]
         stats["loss"] = stat_pair(total.detach(), 1, device)
+        if chain:
+            hits, labels = (torch.stack(x) for x in zip(*chain))
+            found = chain_stats(hits, labels, batch["loss_mask"], segments)
+            stats.update({key: stat_pair(s, c, device) for key, (s, c) in found.items()})
         return LossOutput(total, stats)
 
     def _topk_term(self, want: Tensor, logp: Tensor) -> Tensor:
@@ -426,6 +440,32 @@ class Eagle3Head(nn.Module):
         top = want.topk(K, dim=-1)  # (N, K)
         term = -(top.values * logp.gather(-1, top.indices)).sum(-1)  # (N,)
         return self.config.hass_weight * term.mean()
+
+    @torch.no_grad()
+    def greedy_tokens(
+        self, hidden: Tensor, labelled: Tensor, argmax: Tensor | None = None
+    ) -> Tensor:
+        """(B, T) long: the target's greedy token over its whole vocabulary at each labelled
+        row (the batch's `target_argmax` when it carries them), -1 elsewhere."""
+        best = torch.full(labelled.shape, -1, dtype=torch.long, device=labelled.device)
+        if argmax is not None:
+            best[labelled] = argmax.to(best.device)[labelled].long()
+        else:
+            best[labelled] = self.target_argmax(hidden.to(best.device)[labelled])
+        return best
+
+    @torch.no_grad()
+    def chain_hits(
+        self, out: Tensor, greedy: Tensor, batch: dict[str, Tensor], step: int
+    ) -> tuple[Tensor, Tensor]:
+        """Unroll step `step`'s top-1 against the target: (hits, labels), (B, T) bool each.
+        labels[t]: x_{t+step+2} is a label; hits[t]: there, the draft's best token (mapped to
+        target ids) is the target's greedy token `greedy[t+step+1]` (a token outside the draft
+        vocabulary is always a miss)."""
+        labels = label_mask(batch, step + 2)
+        drafted = torch.full_like(greedy, -2)
+        drafted[labels] = self.draft_to_target(self.logits(out[labels]).argmax(-1))
+        return drafted == shift_left(greedy, step + 1), labels
 
     # ---- checkpoints ---------------------------------------------------------------------
 

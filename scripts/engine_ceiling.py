@@ -49,10 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("docs/engine_ceiling"))
     args = p.parse_args(argv)
 
-    from eval.studies.engine_ceiling_report import write
-
     from data.engines.llama_cpp import EngineError
     from eval.studies.engine_ceiling import CeilingSettings, run_ceiling
+    from eval.studies.engine_ceiling_report import write
     from heads.target import TargetConfig
 
     try:

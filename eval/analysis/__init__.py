@@ -1,0 +1,1 @@
+"""Analyses of trained drafts: where measured numbers come from (docs/acceptance_gap.md)."""

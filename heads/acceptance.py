@@ -1,0 +1,123 @@
+"""What a drafted chain is worth at decoding time, estimated from teacher-forced hits.
+
+Per-depth top-1 accuracy over every labelled position overstates a chain's acceptance length
+tau in three ways (docs/acceptance_gap.md measures each): a token outside the draft
+vocabulary is never accepted; depth d counts only when depths 1..d-1 were right (chain
+acceptance is conditional); and greedy decoding does not query the draft at every position but
+once per verification, at the position after the accepted tokens and the bonus token, so easy
+stretches are crossed in few queries and hard ones are queried at every token.
+
+`chain_walk` replays that: given, for each row t, how many leading drafted tokens the target
+would accept if decoding queried the draft there (`accepted_lengths`), it walks every assistant
+turn as greedy chain decoding would and counts the tokens and the verification rounds. Their
+ratio is the tau a chain of that depth reaches on these turns, provided the turns are the
+target's own greedy continuations (on other text it is an estimate).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def accepted_lengths(hits: Tensor) -> Tensor:
+    """hits (S, B, T) bool: the draft's depth-(i+1) token from row t is the target's greedy
+    token there (and that position is a label). Returns (B, T) long, the leading run of hits:
+    how many drafted tokens a chain of depth S started at row t gets accepted."""
+    return hits.long().cumprod(0).sum(0)
+
+
+def label_runs(loss_mask: list[int], segments: list[int] | None = None) -> list[tuple[int, int]]:
+    """(first, last) indices of each maximal run of labels (assistant turns) in one row; a
+    packed row's runs also end where the conversation (`segments`) changes."""
+    runs, start = [], None
+    for t, label in enumerate(loss_mask):
+        same = start is not None and (segments is None or segments[t] == segments[start])
+        if label and same:
+            continue
+        if start is not None:
+            runs.append((start, t - 1))
+        start = t if label else None
+    if start is not None:
+        runs.append((start, len(loss_mask) - 1))
+    return runs
+
+
+def walk_rows(accepted: list[int], first: int, last: int) -> list[int]:
+    """The rows at which greedy chain decoding queries the draft on one assistant turn whose
+    labels are the tokens first..last: the first token comes from the prompt's forward (not a
+    round), then each round queries row t (the root x_{t+1} is the last emitted token),
+    accepts `accepted[t]` tokens and adds the bonus token."""
+    t, rows = first - 1, []
+    while t + 1 < last:
+        rows.append(t)
+        t += accepted[t] + 1
+    return rows
+
+
+def walk_turn(accepted: list[int], first: int, last: int) -> int:
+    """How many verification rounds `walk_rows` takes."""
+    return len(walk_rows(accepted, first, last))
+
+
+def chain_walk(
+    accepted: Tensor, loss_mask: Tensor, segments: Tensor | None = None
+) -> tuple[int, int]:
+    """(tokens, rounds) of greedy chain decoding over every assistant turn of a batch.
+
+    accepted (B, T): `accepted_lengths` of each row; loss_mask (B, T): the labels; segments
+    (B, T): packed rows' conversation ids, or None. tokens counts each turn's labels but its
+    first (the prefill's token, as the benchmark's tau leaves it out), so tokens / rounds is
+    that benchmark's tau."""
+    tokens = rounds = 0
+    masks, lengths = loss_mask.tolist(), accepted.tolist()
+    segs = segments.tolist() if segments is not None else [None] * len(masks)
+    for row, mask, seg in zip(lengths, masks, segs, strict=True):
+        for first, last in label_runs(mask, seg):
+            first = max(first, 1)  # a turn at index 0 has no prompt: its first token is one
+            tokens += max(last - first, 0)
+            rounds += walk_turn(row, first, last)
+    return tokens, rounds
+
+
+def chain_tau(conditional: list[float]) -> float:
+    """1 + p1 + p1 p2|1 + ...: a chain's expected tau from its conditional acceptance rates."""
+    tau, reach = 1.0, 1.0
+    for p in conditional:
+        reach *= p
+        tau += reach
+    return tau
+
+
+def chain_stats(
+    hits: Tensor, labels: Tensor, loss_mask: Tensor, segments: Tensor | None = None
+) -> dict[str, tuple[float, float]]:
+    """[sum, count] pairs of a batch from hits (S, B, T) and labels (S, B, T) (the depth's
+    position is a label; hits outside labels are ignored):
+
+    - `step{i}/top1_all`: top-1 over every labelled position (a target token outside the draft
+      vocabulary is a miss, as decoding rejects it);
+    - `step{i}/accept`: the conditional chain acceptance P(depth i+1 right | depths 1..i right);
+    - `chain_tau_est`: tokens over rounds of `chain_walk` (a chain of depth S).
+    """
+    hits = hits & labels
+    out: dict[str, tuple[float, float]] = {}
+    reach = torch.ones_like(labels[0])
+    for i in range(hits.shape[0]):
+        out[f"step{i}/top1_all"] = (float(hits[i].sum()), float(labels[i].sum()))
+        out[f"step{i}/accept"] = (float((reach & hits[i]).sum()), float((reach & labels[i]).sum()))
+        reach = reach & hits[i]
+    tokens, rounds = chain_walk(accepted_lengths(hits), loss_mask, segments)
+    out["chain_tau_est"] = (float(tokens), float(rounds))
+    return out
+
+
+__all__ = [
+    "accepted_lengths",
+    "chain_stats",
+    "chain_tau",
+    "chain_walk",
+    "label_runs",
+    "walk_rows",
+    "walk_turn",
+]
