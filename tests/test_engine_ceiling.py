@@ -169,11 +169,14 @@ def test_several_target_types_make_typed_methods_with_their_own_baselines(tmp_pa
 
 def test_target_choices_resolve_to_labelled_files(monkeypatch):
     import heads.interop.gguf as gguf_mod
-    import heads.interop.gguf as types_mod
     from eval.bench.llama_cpp_targets import resolve_target_ggufs
 
-    monkeypatch.setattr(gguf_mod, "chosen_target_gguf", lambda cfg, c: Path(f"/c/{c}.gguf"))
-    monkeypatch.setattr(types_mod, "gguf_type_name", lambda p: Path(p).stem.replace("auto", "q4_1"))
+    def fake(cfg, choice):  # each setting is parsed once into a TargetGGUF before the lookup
+        name = choice.outtype if not choice.own else "auto"
+        return Path(f"/c/{name}.gguf")
+
+    monkeypatch.setattr(gguf_mod, "gguf_for_target", fake)
+    monkeypatch.setattr(gguf_mod, "gguf_type_name", lambda p: Path(p).stem.replace("auto", "q4_1"))
     paths, types = resolve_target_ggufs(object(), ["q4_0", "auto"])
     assert paths == {"q4_0": "/c/q4_0.gguf", "auto": "/c/auto.gguf"}
     assert types == {"q4_0": "q4_0", "auto": "q4_1"}
