@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
-    target, val = load_run(args.run_dir)
+    target, val, precision = load_run(args.run_dir)
     head_dir = Path(args.head) if args.head else kept_head(args.run_dir)
     if head_dir is None:
         parser.error(f"{args.run_dir} holds no head (best_head/ or head/): pass --head.")
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     result = analyse(
         head, target, val, list(zip(prompts, answers, strict=True)),
         list(zip(firsts_prompts, regenerated, strict=True)), args.max_new_tokens, args.depth,
-        args.decode_limit,
+        args.decode_limit, precision,
     )  # fmt: skip
     result["setup"] = {
         "head": str(head_dir),
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": args.prompts,
         "limit": args.limit,
         "max_new_tokens": args.max_new_tokens,
+        "trainer_precision": {k: str(v) for k, v in precision.items()},
         "seconds": round(time.perf_counter() - started, 1),
     }
     if args.out:

@@ -221,7 +221,8 @@ def test_analyse_splits_the_gap(fitted):
     firsts = first_turn_prompts(examples)
     answers = hf_greedy(target, [p for p, _ in firsts], [n for _, n in firsts])
     regenerated = [(p, a) for (p, _), a in zip(firsts, answers, strict=True)]
-    result = analyse(head, target, examples, bench, regenerated, NEW, 3, decode_limit=1)
+    fp32 = {"feature_dtype": torch.float32, "autocast": None}
+    result = analyse(head, target, examples, bench, regenerated, NEW, 3, 1, fp32)
     # one prompt decoded, both walked
     assert 0 < result["decode_queried"]["rows"] < result["mt_bench_queried"]["rows"]
     steps = causes(result)
@@ -229,7 +230,9 @@ def test_analyse_splits_the_gap(fitted):
     # the fitted examples are the target's own greedy answers: regenerating changes nothing
     first, greedy = (s for s in steps if s[0].startswith(("    first", "(e)")))
     assert greedy[1] == pytest.approx(first[1]) and greedy[2] == pytest.approx(0.0)
-    assert 1.0 <= result["validation_trainer"]["val/chain_tau_est"] <= 4.0
+    # what the trainer logs (head.loss) is the analysis's walk
+    walk = result["validation"]["tau_walk"]
+    assert result["validation_trainer"]["val/chain_tau_est"] == pytest.approx(walk)
     table = markdown(result)
     assert "(c) only the positions decoding" in table and "drafted-token mismatches" in table
 

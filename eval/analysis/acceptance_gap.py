@@ -185,10 +185,13 @@ def walked_rows(seqs: list[SequenceHits]) -> list[list[int]]:
 
 
 @torch.no_grad()
-def loss_metrics(head, target, examples: list[dict], feature_dtype=torch.float16) -> dict:
+def loss_metrics(
+    head, target, examples: list[dict], feature_dtype: torch.dtype = torch.float16,
+    autocast: torch.dtype | None = None,
+) -> dict:  # fmt: skip
     """val/<stat> as the trainer computes them: head.loss in eval mode, one conversation a
-    batch, target features rounded to the feature cache's dtype, the step under the recipe's
-    bf16 autocast."""
+    batch, target features rounded to the feature cache's dtype, the step under the run's
+    autocast (None: fp32)."""
     from data.dataset import collate
 
     sums: dict[str, Tensor] = {}
@@ -199,7 +202,7 @@ def loss_metrics(head, target, examples: list[dict], feature_dtype=torch.float16
         feats = {k: v.to(feature_dtype) for k, v in feats.items()}
         derived = head.example_targets({**example, "hidden": feats["hidden"][0]})
         batch = collate([{**example, **derived}])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
             stats = head.loss(batch, feats).stats
         for key, value in stats.items():
             sums[key] = sums.get(key, 0) + value.detach().double()
@@ -209,7 +212,7 @@ def loss_metrics(head, target, examples: list[dict], feature_dtype=torch.float16
 def analyse(
     head, target, val_examples: list[dict], bench: list[tuple[Tensor, list[int]]],
     regenerated: list[tuple[Tensor, list[int]]] = (), max_new_tokens: int = 128, depth: int = 3,
-    decode_limit: int | None = None,
+    decode_limit: int | None = None, precision: dict | None = None,
 ) -> dict:  # fmt: skip
     """Every measurement of the gap (see the module doc).
 
@@ -217,7 +220,8 @@ def analyse(
     regenerated: the same for the first turns of the first len(regenerated) validation
     conversations; decode_limit: how many bench prompts speculative decoding runs (all by
     default; on the rest the walk over the greedy answer stands for it, exact when the decoded
-    turns show no mismatch)."""
+    turns show no mismatch); precision: `loss_metrics`'s feature_dtype and autocast (the run's,
+    from `load_run`)."""
     head.eval()
 
     def unrolled(pairs):
@@ -236,7 +240,7 @@ def analyse(
     result = {
         "depth": depth,
         "validation": summarize(val),
-        "validation_trainer": loss_metrics(head, target, val_examples),
+        "validation_trainer": loss_metrics(head, target, val_examples, **(precision or {})),
         "data_agreement": data_agreement(val, pairs),
         "mt_bench": summarize(answers),
         "mt_bench_queried": summarize(answers, walked_rows(answers)),
@@ -311,9 +315,11 @@ def _fmt(values: list[float]) -> str:
 # ---- inputs -----------------------------------------------------------------------------------
 
 
-def load_run(run_dir: str) -> tuple[object, list[dict]]:
-    """(target, validation conversations) of a training run, from its config.yaml: the same
-    target and the same split (the data files are reused from the cache the run filled)."""
+def load_run(run_dir: str) -> tuple[object, list[dict], dict]:
+    """(target, validation conversations, precision) of a training run, from its config.yaml:
+    the same target and the same split (the data files are reused from the cache the run
+    filled); precision: the feature cache's dtype and the training step's autocast, as
+    `loss_metrics` takes them."""
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
@@ -330,7 +336,12 @@ def load_run(run_dir: str) -> tuple[object, list[dict]]:
     sd = data_cfg.self_distill
     if sd.enabled and sd.backend == "llama_cpp":  # the engine file names the data (train/run.py)
         sd.gguf = str(chosen_target_gguf(model_cfg, sd.gguf))
-    return target, prepare_data(data_cfg, target).val
+    cast = data_cfg.feature_dtype if data_cfg.feature_dtype != "int8" else "float16"
+    precision = {
+        "feature_dtype": getattr(torch, cast),
+        "autocast": torch.bfloat16 if cfg.trainer.get("mixed_precision") == "bf16" else None,
+    }
+    return target, prepare_data(data_cfg, target).val, precision
 
 
 def chat_prompts(path: str, limit: int, tokenizer) -> list[Tensor]:
