@@ -25,12 +25,12 @@ def main(cfg: DictConfig) -> None:
     from data.config import DataConfig
     from data.prepare import prepare_data
     from heads.target import load_target
-    from train.run import _engine_gguf, _process_ranks
+    from train.run import _process_ranks, engine_gguf
 
     data_cfg: DataConfig = instantiate(cfg.data, _target_=DataConfig, _convert_="all")
     model_cfg = instantiate(cfg.model)
     target = load_target(model_cfg)
-    _engine_gguf(data_cfg, model_cfg)
+    engine_gguf(data_cfg, model_cfg)
     data = prepare_data(data_cfg, target, _process_ranks)
     from data.dataset import corpus_stats
 

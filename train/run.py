@@ -142,7 +142,7 @@ def init_head_weights(head, path: str, target: Target | None = None) -> None:
     log.info("init_from %s: weights loaded (%d tensors left as initialised)", path, len(fresh))
 
 
-def _engine_gguf(data_cfg: DataConfig, model_cfg) -> None:
+def engine_gguf(data_cfg: DataConfig, model_cfg) -> None:
     """Self-distillation through llama.cpp needs the target as GGUF: `data.self_distill.gguf`
     unset means the target's own (the embedded one as shipped) or its folder converted once; an
     outtype (f32, f16, bf16, q8_0) converts its Hugging Face weights to that type once; a path
@@ -164,7 +164,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> TrainResul
     torch.manual_seed(cfg.seed)
     model_cfg = instantiate(cfg.model)
     target = load_target(model_cfg)
-    _engine_gguf(data_cfg, model_cfg)
+    engine_gguf(data_cfg, model_cfg)
     data = prepare_data(data_cfg, target, _process_ranks)
     head = build_head(instantiate(cfg.head), target, data.train)
     if cfg.get("init_from"):

@@ -325,17 +325,15 @@ def load_run(run_dir: str) -> tuple[object, list[dict], dict]:
 
     from data.config import DataConfig
     from data.prepare import prepare_data
-    from heads.interop.gguf import chosen_target_gguf
     from heads.target import load_target
+    from train.run import engine_gguf
     from train.rundir import read_run_config
 
     cfg = OmegaConf.create(read_run_config(run_dir))
     model_cfg = instantiate(cfg.model)
     target = load_target(model_cfg)
     data_cfg = instantiate(cfg.data, _target_=DataConfig, _convert_="all")
-    sd = data_cfg.self_distill
-    if sd.enabled and sd.backend == "llama_cpp":  # the engine file names the data (train/run.py)
-        sd.gguf = str(chosen_target_gguf(model_cfg, sd.gguf))
+    engine_gguf(data_cfg, model_cfg)  # the engine file names the data, as in training
     cast = data_cfg.feature_dtype if data_cfg.feature_dtype != "int8" else "float16"
     precision = {
         "feature_dtype": getattr(torch, cast),
