@@ -416,8 +416,8 @@ def test_a_medusa2_head_runs_alone_on_its_adapted_target(tmp_path):
         both = compose(
             "evaluate",
             overrides=[*overrides, f"out_dir={tmp_path / 'b'}",
-                       f"+heads.m2={{path: {tmp_path / 'm2'}, tree: chain}}",
-                       f"+heads.m1={{path: {tmp_path / 'm1'}, tree: chain}}"],
+                       f"+heads.m2={{path: {tmp_path / 'm2'}, tree: 2}}",
+                       f"+heads.m1={{path: {tmp_path / 'm1'}, tree: 2}}"],
         )  # fmt: skip
     target = load_target(instantiate(cfg.model, _convert_="all"))
     medusa(target).save_pretrained(tmp_path / "m1")
