@@ -41,12 +41,11 @@ def main() -> int:
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args()
 
-    from eval.studies.variants import parse_variants
-
     from data.errors import DraftsmithError
     from eval.studies import recipes
     from eval.studies.recipes_report import render
     from eval.studies.store import load_json
+    from eval.studies.variants import parse_variants
 
     if args.report_only:
         print(render(load_json(args.docs / "results.json"), args.docs))

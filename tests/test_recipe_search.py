@@ -9,12 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from eval.studies.variants import parse_variants
 
 from data.errors import ConfigError, DraftsmithError
 from eval.studies import recipes
 from eval.studies.recipes_report import BEGIN, END, render
 from eval.studies.store import load_json, locked, update_json
+from eval.studies.variants import parse_variants
 
 REPO = Path(__file__).resolve().parents[1]
 
