@@ -13,7 +13,8 @@ from urllib.parse import unquote
 import pytest
 
 from data.errors import DraftsmithError
-from eval import report, results_table
+from eval.bench import report
+from eval.publish import results_table
 
 ROOT = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 250

@@ -23,7 +23,7 @@ from hydra.utils import instantiate
 
 import heads
 from data.errors import ConfigError
-from eval import report
+from eval.bench import report
 from eval.bench.harness import ALL_METHODS, check_methods, run
 from eval.bench.llama_cpp import LLAMA_CPP_METHODS, check_draft_head
 from eval.bench.methods import METHODS, build_methods
