@@ -18,6 +18,7 @@ from eval.engine.drafting import make_proposer
 from eval.engine.dynamic_tree import DynamicTreeConfig
 from eval.engine.eagle_proposer import draft_tree_mask
 from eval.engine.generator import SpeculativeGenerator
+from eval.engine.tree_spec import resolve_tree
 from eval.engine.verify import GreedyVerifier
 from heads.draft_layer import DraftCache
 from heads.eagle3 import Eagle3Config, Eagle3Head, ttt_attention_mask
@@ -349,7 +350,8 @@ def test_greedy_decoding_with_the_options_is_lossless(options):
     head = _perturb_norms(head).eval()
     dynamic = DynamicTreeConfig(depth=4, top_k=3, total_tokens=10)
     for tree in ([[0], [1], [0, 0], [0, 1], [0, 0, 0]], 3, dynamic):  # a tree, a chain, dynamic
-        gen = SpeculativeGenerator(model, make_proposer(head, tree), GreedyVerifier())
+        proposer = make_proposer(head, resolve_tree(tree))
+        gen = SpeculativeGenerator(model, proposer, GreedyVerifier())
         assert gen.generate(prompt, 16).new_tokens.tolist() == want.tolist()
 
 
