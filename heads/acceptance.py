@@ -74,7 +74,8 @@ def chain_walk(
     segs = segments.tolist() if segments is not None else [None] * len(masks)
     for row, mask, seg in zip(lengths, masks, segs, strict=True):
         for first, last in label_runs(mask, seg):
-            first = max(first, 1)  # a turn at index 0 has no prompt: its first token is one
+            if first == 0 or (seg is not None and seg[first - 1] != seg[first]):
+                first += 1  # a turn that opens its conversation: its first token is the prompt
             tokens += max(last - first, 0)
             rounds += walk_turn(row, first, last)
     return tokens, rounds

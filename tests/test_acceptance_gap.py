@@ -75,6 +75,19 @@ def test_walk_skips_rows_decoding_never_queries():
     assert chain_tau([0.5, 0.5, 0.5]) == 1.875 and chain_tau([]) == 1.0
 
 
+def test_walk_in_packed_rows_equals_the_conversations_walked_alone():
+    """A conversation packed after another walks as it does alone, also when its labels start
+    at its first token (then that token stands for the prompt, as at index 0)."""
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, 4, (n,), generator=g) for n in (9, 7, 8)]
+    masks = [torch.tensor([0, 0, 1, 1, 1, 1, 0, 1, 1]), torch.ones(7, dtype=torch.long),
+             torch.tensor([1, 1, 1, 0, 0, 1, 1, 1])]  # fmt: skip
+    alone = [chain_walk(r[None], m[None]) for r, m in zip(rows, masks, strict=True)]
+    segments = torch.cat([torch.full((len(r),), k + 1) for k, r in enumerate(rows)])
+    packed = chain_walk(torch.cat(rows)[None], torch.cat(masks)[None], segments[None])
+    assert packed == tuple(map(sum, zip(*alone, strict=True)))
+
+
 # ---- a tiny head that gets chains accepted ---------------------------------------------------
 
 
