@@ -10,7 +10,6 @@ HYDRA_FULL_ERROR=1 shows the traceback).
 import hydra
 from omegaconf import DictConfig
 
-import train
 from train.cli import report_user_errors
 
 
@@ -20,7 +19,9 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     run_dir = HydraConfig.get().runtime.output_dir
-    result = train.run(cfg, run_dir)
+    from train.run import run as run_training
+
+    result = run_training(cfg, run_dir)
     export = cfg.get("export") or {}
     if export.get("formats") and result.head_dir is not None:
         from eval.publish.export import export_run

@@ -912,7 +912,9 @@ def test_engine_ceiling_runs_end_to_end_on_the_tiny_target(tiny_setup, tmp_path)
     assert rates[fastest] == max(rates.values())
     for entry in summary["types"].values():
         half, full = entry["chains"]["1"]["runs"]
-        assert full["tau"] == pytest.approx(2.0, abs=0.05)  # every drafted token accepted
+        # every drafted token accepted; the last round of an answer may be cut to one token by the
+        # token limit (23 tokens after the first = 11 rounds of 2 and one of 1: tau 1.92)
+        assert full["tau"] == pytest.approx(2.0, abs=0.1)
         assert 1.2 < half["tau"] < 1.8  # about half of them
         assert entry["chains"]["1"]["break_even_tau_verify_only"] > 0.5
         own = entry["own"]

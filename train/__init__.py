@@ -1,13 +1,8 @@
-"""Training: one Accelerate loop for every head (train.loop), and the recipe `run(cfg)`."""
+"""Training: one Accelerate loop for every head (train.loop) and the recipe (train.run.run).
+
+Call the recipe as `from train.run import run`: once the submodule train.run is imported,
+the attribute `train.run` is that module, so a package-level wrapper named `run` would be
+shadowed (that bit scripts/gpu_check.py)."""
 
 from __future__ import annotations
 
-
-def run(cfg, run_dir=None):
-    """Train the head described by a composed Hydra config (see train/run.py)."""
-    from train.run import run as _run
-
-    return _run(cfg, run_dir)
-
-
-__all__ = ["run"]

@@ -90,11 +90,11 @@ def train_and_record(run_dir: str | Path, overrides: list[str]) -> dict:
     from accelerate.state import AcceleratorState
     from hydra import compose, initialize_config_dir
 
-    import train as train_package
+    from train.run import run as run_training
 
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
-    result = train_package.run(cfg, str(run_dir))
+    result = run_training(cfg, str(run_dir))
     state = AcceleratorState()
     record = {
         "rank": state.process_index,

@@ -276,7 +276,7 @@ def mt_bench_prompts(tokenizer, count: int) -> list[list[int]]:
     from data.chat import ChatEncoder
     from data.formats import read_prompts
 
-    path = Path(__file__).resolve().parents[1] / "data/corpora/mt_bench/question.jsonl"
+    path = Path(__file__).resolve().parents[2] / "data/corpora/mt_bench/question.jsonl"
     rows = read_prompts(str(path))[:count]
     encoder = ChatEncoder(tokenizer)
     return [encoder.prompt([{"role": "user", "content": row["turns"][0]}]) for row in rows]
