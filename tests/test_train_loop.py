@@ -182,6 +182,18 @@ def test_mixed_precision_auto_is_off_without_cuda():
     assert resolve_mixed_precision("fp16") == "fp16"
 
 
+@pytest.mark.parametrize("amx,avx512_bf16,expected", [
+    (False, False, "no"), (True, False, "bf16"), (False, True, "bf16"),
+])  # fmt: skip
+def test_fast_bf16_follows_the_cpu(monkeypatch, amx, avx512_bf16, expected):
+    """fast_bf16: bf16 autocast only where the CPU multiplies bf16 in hardware."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    assert resolve_mixed_precision("fast_bf16") == expected
+    assert resolve_mixed_precision("auto") == "no"  # the default stays fp32 on every CPU
+
+
 def test_tracker_writes_jsonl_on_main_only(tmp_path):
     with Tracker(LoggerConfig(mode="disabled"), tmp_path / "main") as main:
         main.log({"train/loss": torch.tensor(1.5)}, step=3)

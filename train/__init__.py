@@ -5,4 +5,3 @@ the attribute `train.run` is that module, so a package-level wrapper named `run`
 shadowed (that bit scripts/gpu_check.py)."""
 
 from __future__ import annotations
-

@@ -15,7 +15,7 @@ import torch
 from accelerate import Accelerator, DistributedDataParallelKwargs
 from accelerate.utils import DistributedType
 
-from train.config import TrainerConfig, resolve_mixed_precision
+from train.config import TrainerConfig, cpu_has_fast_bf16, resolve_mixed_precision
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +57,11 @@ def _check_cpu_precision(acc: Accelerator) -> None:
     fp32 step on SmolLM2, docs/throughput.md), emulated and slower without."""
     if acc.device.type != "cpu" or acc.mixed_precision != "bf16" or not acc.is_main_process:
         return
-    if not (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()):
+    if not cpu_has_fast_bf16():
         log.warning(
             "trainer.mixed_precision=bf16 on a CPU without AMX or AVX512-BF16: bf16 matmuls "
             "are emulated there and the step is likely slower than fp32; set "
-            "trainer.mixed_precision=no"
+            "trainer.mixed_precision=no (or fast_bf16, which picks per machine)"
         )
 
 

@@ -337,9 +337,15 @@ def load_run(run_dir: str) -> tuple[object, list[dict], dict]:
     cast = data_cfg.feature_dtype if data_cfg.feature_dtype != "int8" else "float16"
     precision = {
         "feature_dtype": getattr(torch, cast),
-        "autocast": torch.bfloat16 if cfg.trainer.get("mixed_precision") == "bf16" else None,
+        "autocast": torch.bfloat16 if _trained_in_bf16(cfg) else None,
     }
     return target, prepare_data(data_cfg, target).val, precision
+
+
+def _trained_in_bf16(cfg) -> bool:
+    from train.config import resolve_mixed_precision
+
+    return resolve_mixed_precision(cfg.trainer.get("mixed_precision", "auto")) == "bf16"
 
 
 def chat_prompts(path: str, limit: int, tokenizer) -> list[Tensor]:
