@@ -29,7 +29,7 @@ def main() -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--val-rows", type=int, default=44, help="held-out conversations (>= 40)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per subprocess")
-    p.add_argument("--turns", type=int, default=32, help="MT-bench turns (a multiple of 16)")
+    p.add_argument("--turns", type=int, default=32, help="MT-bench turns (16k; 0: held-out only)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--probe-steps", type=int, default=30, help="steps of a calibration probe")
     p.add_argument("--cpu-s-per-step", type=float, help="a known rate instead of calibrating")

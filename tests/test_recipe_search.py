@@ -260,6 +260,25 @@ def test_points_resume_train_and_evaluation_apart(tmp_path):
     assert state["steps"] == 450 and state["eval_wall_s"] >= 0 and "train_wall_s" in state
 
 
+def test_a_screening_round_trains_only_and_keeps_measured_tau(tmp_path):
+    """turns=0: held-out metrics without decoding; a later screening of a measured point keeps
+    its tau (results merge key by key)."""
+    cfg = _cfg(tmp_path, "{baseline: []}", cpu_s_per_step=2.0)
+    recipes.run_search(cfg, FakeRuns())
+    measured = load_json(cfg.results_file)["points"]["baseline-15m-s0"]["tau_chain3"]
+    screen = _cfg(tmp_path, "{baseline: [], noise: [head.feature_noise=0.2]}", cpu_s_per_step=2.0,
+                  turns=0)  # fmt: skip
+    assert screen.screening and not cfg.screening
+    runs = FakeRuns()
+    recipes.run_search(screen, runs)
+    assert runs.scripts() == ["train.py"]  # the new variant trains; nothing is decoded
+    points = load_json(screen.results_file)["points"]
+    assert points["baseline-15m-s0"]["tau_chain3"] == measured
+    assert "tau_chain3" not in points["noise-15m-s0"] and points["noise-15m-s0"]["val_top1"]
+    with pytest.raises(ConfigError, match="0: held-out only"):
+        _cfg(tmp_path, turns=-16)
+
+
 def test_a_point_another_invocation_holds_is_skipped(tmp_path):
     cfg, runs = _cfg(tmp_path, cpu_s_per_step=2.0), FakeRuns()
     with locked(cfg.out / "points" / "baseline-15m-s0.lock"):
@@ -361,7 +380,7 @@ def test_report_tables_noise_and_plot_from_a_results_file(tmp_path):
     assert "MT-bench, 32 turns (2 questions per category, both turns), 128 new tokens" in text
     assert "### Budget: 15 training CPU-minutes" in text and "### Budget: 45 training" in text
     row = next(line for line in lines if line.startswith("| muon | 0 | 300 | 14.9 |"))
-    assert "| 0.450 | 0.360 / 0.290 / 0.240 | 0.090 | 1.700 | 1.790 | 0 |" in row
+    assert "| 0.450 | 0.360 / 0.290 / 0.240 | 0.090 | - | 1.700 | 1.790 | 0 |" in row
     assert any(
         line.startswith("| muon | 0 | 300 | 46.0 |") and line.endswith("| **1** |")
         for line in lines

@@ -90,10 +90,10 @@ class SearchConfig:
     def __post_init__(self) -> None:
         if not self.budgets or min(self.budgets) <= 0:
             raise ConfigError(f"budgets={self.budgets}: give CPU-minutes > 0, e.g. 15 45 90.")
-        if not self.bench and (self.turns <= 0 or self.turns % MT_BENCH_TURNS):
+        if not self.bench and (self.turns < 0 or self.turns % MT_BENCH_TURNS):
             raise ConfigError(
                 f"turns={self.turns}: each question per category adds {MT_BENCH_TURNS} MT-bench "
-                "turns (8 categories x 2); use a multiple, e.g. 32."
+                "turns (8 categories x 2); use a multiple, e.g. 32 (0: held-out only)."
             )
         if self.threads < 1 or self.val_rows < 1 or self.probe_steps < 2 or not self.seeds:
             raise ConfigError("threads and val_rows need >= 1, probe_steps >= 2, seeds a seed.")
@@ -101,6 +101,12 @@ class SearchConfig:
     @property
     def results_file(self) -> Path:
         return self.docs / "results.json"
+
+    @property
+    def screening(self) -> bool:
+        """turns=0 with no custom bench: held-out metrics only, no decoding (a screening round;
+        the held-out chain estimate tracks MT-bench chain-3 tau, docs/acceptance_gap.md)."""
+        return not self.bench and self.turns == 0
 
     @property
     def bench_label(self) -> str:
@@ -300,9 +306,13 @@ def run_point(cfg: SearchConfig, point: Point, files: dict, runner: Runner = cal
     if not (run_dir / "head").is_dir():
         state = _timed(runner, train_cmd, cfg.threads, run_dir / "train.log", state_file, "train")
     metrics = train_metrics(run_dir)
-    if not (eval_dir / "summary.json").is_file():
-        state = _timed(runner, eval_cmd, cfg.threads, eval_dir / "evaluate.log", state_file, "eval")
-    summary = json.loads((eval_dir / "summary.json").read_text())
+    measured: dict = {}
+    if not cfg.screening:
+        if not (eval_dir / "summary.json").is_file():
+            state = _timed(runner, eval_cmd, cfg.threads, eval_dir / "evaluate.log", state_file,
+                           "eval")  # fmt: skip
+        summary = json.loads((eval_dir / "summary.json").read_text())
+        measured = eval_metrics(summary, TREES)
     return {
         "variant": variant.name, "experiment": variant.experiment,
         "overrides": list(variant.overrides), "digest": variant.digest,
@@ -315,7 +325,7 @@ def run_point(cfg: SearchConfig, point: Point, files: dict, runner: Runner = cal
         "bench": cfg.bench_label, "eval_dir": str(eval_dir),
         "commands": {"train": shell(train_cmd, cfg.threads),
                      "evaluate": shell(eval_cmd, cfg.threads)},
-        "search_command": cfg.invocation, **metrics, **eval_metrics(summary, TREES),
+        "search_command": cfg.invocation, **metrics, **measured,
     }  # fmt: skip
 
 
@@ -379,12 +389,13 @@ def run_search(cfg: SearchConfig, runner: Runner = call) -> list[str]:
                 continue
             out = run_point(cfg, point, split, counted)
         record(cfg.results_file, point.key, out)
-        bad = {t: out[f"mismatches_{t}"] for t in TREES if out[f"mismatches_{t}"]}
+        bad = {t: out[f"mismatches_{t}"] for t in TREES if out.get(f"mismatches_{t}")}
         if bad:
             flagged.append(point.key)
             print(f"!!! GREEDY MISMATCH in {point.key}: {bad} requests differ from plain "
                   f"greedy decoding: see {out['eval_dir']}/report.md", file=sys.stderr)  # fmt: skip
-        brief = {k: out[k] for k in ("steps", "cpu_min", "val_top1", "tau_chain3", "tau_dynamic")}
+        keys = ("steps", "cpu_min", "val_top1", "val_chain_tau_est", "tau_chain3", "tau_dynamic")
+        brief = {k: out.get(k) for k in keys}
         print(json.dumps({point.key: brief}), flush=True)
         if len(ran) > before:  # the report follows a long search point by point
             render(load_json(cfg.results_file), cfg.docs)

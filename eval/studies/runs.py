@@ -91,6 +91,7 @@ def train_metrics(run_dir: Path) -> dict:
         "val_top1": [held.get(f"val/{d}/top1") for d in depths],
         "train_top1": [last.get(f"train/{d}/top1") for d in depths],
         "val_loss": held.get("val/loss"),
+        "val_chain_tau_est": held.get("val/chain_tau_est"),
     }
 
 
