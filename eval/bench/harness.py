@@ -30,7 +30,7 @@ from torch import Tensor
 
 from data.errors import ConfigError
 from data.paths import resolve_path
-from eval.bench.llama_cpp import LLAMA_CPP_METHODS, LlamaCppSettings, build_llama_cpp_methods
+from eval.bench.llama_cpp import LLAMA_CPP_METHODS, build_llama_cpp_methods, llama_cpp_settings
 from eval.bench.methods import (
     HEAD,
     METHODS,
@@ -388,35 +388,6 @@ def check_methods(names: list[str], has_head: bool) -> list[str]:
     if set(names) <= {HEAD} and not has_head:
         raise ConfigError(f"methods={names}: nothing to run without head_path; give head_path=DIR.")
     return names
-
-
-def llama_cpp_settings(cfg, head, run_target, out_dir: Path) -> LlamaCppSettings:
-    """bench.llama_cpp resolved: the target GGUF (heads.interop.gguf.TargetGGUF: "auto", the
-    target's own file; an outtype, converted once; a path) and the draft GGUF (exported from
-    `head` when not given); a null --spec-type is read from that file when the servers start
-    (build_llama_cpp_methods). `run_target`: the run's heads.target.RunTarget."""
-    from omegaconf import OmegaConf
-
-    from eval.bench.llama_cpp import check_draft_head
-    from eval.bench.llama_cpp_targets import resolve_target_ggufs
-    from heads.interop.gguf import export_gguf
-
-    doc = OmegaConf.to_container(cfg.llama_cpp, resolve=True)
-    settings = LlamaCppSettings(**doc)
-    settings.target_gguf, settings.resolved_types = resolve_target_ggufs(
-        run_target.config, settings.target_gguf
-    )
-    if settings.draft_gguf is None and "llama_cpp_draft" in cfg.methods:
-        if head is None:
-            raise ConfigError(
-                "llama_cpp_draft needs head_path (or llama_cpp.draft_gguf): give head_path=DIR."
-            )
-        check_draft_head(head)  # a head llama.cpp serves, before exporting it
-        kind = settings.draft_outtype
-        draft = out_dir / f"draft-{kind}.gguf"
-        gguf = export_gguf(head, run_target.target, run_target.source, draft, kind)
-        settings.draft_gguf = str(gguf)
-    return settings
 
 
 def log_to_tracker(summary: dict, out_dir, logger_cfg, config: dict) -> None:
