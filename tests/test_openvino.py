@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import TINY_VOCAB, diverse, make_llama, make_tokenizer
 
+ROOT = Path(__file__).resolve().parents[1]
 AUX = [1, 2, 3]  # HF hidden_states indices: GenAI's layer ids are these - 1
 PROMPT_LEN, NEW_TOKENS, FIT_PROMPTS, PARITY_PROMPTS = 6, 40, 16, 6
 CHAIN, TREE = 3, {"depth": 3, "top_k": 2, "total_tokens": 7}  # GenAI: branching_factor 2
@@ -296,27 +298,40 @@ def test_benchmark_runs_openvino_methods_beside_hf(ov_setup, tmp_path):
     assert (tmp_path / "out" / "report.md").is_file()
 
 
-def test_settings_resolve_the_cached_target_and_export_the_draft(ov_setup, tmp_path):
+def test_evaluate_resolves_the_cached_target_and_exports_the_draft(ov_setup, tmp_path):
+    """evaluate.py's path (harness._engine_methods) with conf/evaluate.yaml's own openvino block:
+    the target folder comes from the model cache, the draft is exported into the run dir."""
+    from types import SimpleNamespace
+
     from omegaconf import OmegaConf
 
     from data.errors import ConfigError
-    from eval.bench.openvino import openvino_settings
+    from eval.bench.harness import _engine_methods
+    from eval.bench.openvino import OpenVinoSettings
+    from eval.engine.tree_spec import resolve_tree
     from heads.interop.openvino import MODEL_XML
 
     target, head, _, target_dir, _ = ov_setup
+    defaults = OmegaConf.load(ROOT / "conf" / "evaluate.yaml").openvino
+    assert set(defaults) == set(OpenVinoSettings.__dataclass_fields__)
     cfg = OmegaConf.create(
         {
-            "openvino": {"tree": {"depth": 3, "top_k": 2, "total_tokens": 7}, "threads": 1},
+            "openvino": OmegaConf.merge(defaults, {"tree": TREE, "threads": 1}),
             "model": {"cache_dir": str(target_dir.parents[1])},
             "methods": ["plain", "openvino_plain", "openvino_draft"],
+            "out_dir": str(tmp_path),
         }
     )
-    settings = openvino_settings(cfg, head, target, tmp_path)
-    assert settings.target_dir == str(target_dir)  # the fixture's export, not a new one
+    names, meta = ["openvino_plain", "openvino_draft"], {}
+    run_target = SimpleNamespace(target=target)  # what _engine_methods reads of a RunTarget
+    methods = _engine_methods(cfg, names, head, run_target, resolve_tree(3), meta)
+    assert [m.name for m in methods] == names and methods[1].draft["branching_factor"] == 2
+    assert meta["openvino"]["target_dir"] == str(target_dir)  # the fixture's export, not a new one
     assert (tmp_path / "openvino-draft" / MODEL_XML).is_file()
-    assert settings.draft_dir == str(tmp_path / "openvino-draft")
+    assert meta["openvino"]["draft_dir"] == str(tmp_path / "openvino-draft")
+    cfg.out_dir = str(tmp_path / "other")
     with pytest.raises(ConfigError, match="head_path"):
-        openvino_settings(cfg, None, target, tmp_path / "other")
+        _engine_methods(cfg, names, None, run_target, resolve_tree(3), {})
 
 
 def test_bad_settings_fail_in_one_line(tiny_llama):
