@@ -30,7 +30,7 @@ from torch import Tensor
 
 from data.errors import ConfigError
 from data.paths import resolve_path
-from eval.bench.llama_cpp import LLAMA_CPP_METHODS, LlamaCppSettings, build_llama_cpp_methods
+from eval.bench.llama_cpp import LLAMA_CPP_METHODS, build_llama_cpp_methods, llama_cpp_settings
 from eval.bench.methods import (
     HEAD,
     METHODS,
@@ -41,13 +41,16 @@ from eval.bench.methods import (
     eos_token_ids,
     head_method,
 )
+from eval.bench.openvino import OPENVINO_METHODS, build_openvino_methods, openvino_settings
 from eval.engine.generator import first_difference
 from eval.engine.tree_spec import resolve_tree
+from heads.interop.openvino import require_openvino
 
 log = logging.getLogger(__name__)
 
 REFERENCE = "hf_generate"  # the greedy reference every output is compared with
-ALL_METHODS = (*METHODS, *LLAMA_CPP_METHODS)  # every name evaluate.py's `methods` takes
+ENGINE_METHODS = (*LLAMA_CPP_METHODS, *OPENVINO_METHODS)  # served by another engine
+ALL_METHODS = (*METHODS, *ENGINE_METHODS)  # every name evaluate.py's `methods` takes
 
 
 @dataclass
@@ -334,16 +337,13 @@ def run(cfg) -> dict:
     tree = resolve_tree(OmegaConf.to_container(cfg.tree, resolve=True))  # paths, or dynamic
     meta |= {"tree_nodes": tree.num_nodes, "tree_depth": tree.depth}
     max_context = cfg.get("max_context")
-    engine_names = [n for n in names if n in LLAMA_CPP_METHODS]
-    names = [n for n in names if n not in LLAMA_CPP_METHODS]
+    engine_names = [n for n in names if n in ENGINE_METHODS]
+    names = [n for n in names if n not in ENGINE_METHODS]
     methods = build_methods(
         target, names, head, tree, verifier, cfg.prompt_lookup_num_tokens, max_context
     )
     if engine_names:
-        out_dir = Path(cfg.get("out_dir") or _hydra_output_dir())
-        settings = llama_cpp_settings(cfg, head, run_target, out_dir)
-        methods += build_llama_cpp_methods(engine_names, settings)
-        meta["llama_cpp"] = asdict(settings)
+        methods += _engine_methods(cfg, engine_names, head, run_target, tree, meta)
     extra = cfg.get("heads")
     extra = OmegaConf.to_container(extra, resolve=True) if extra else {}
     if extra:
@@ -385,38 +385,27 @@ def check_methods(names: list[str], has_head: bool) -> list[str]:
             f"methods={names}: unknown {', '.join(map(repr, unknown))}; use any of "
             f"{', '.join(ALL_METHODS)} (e.g. methods=[plain,hf_generate,head])."
         )
+    if set(names) & set(OPENVINO_METHODS):  # the extra, before anything loads
+        require_openvino(genai=True)
     if set(names) <= {HEAD} and not has_head:
         raise ConfigError(f"methods={names}: nothing to run without head_path; give head_path=DIR.")
     return names
 
 
-def llama_cpp_settings(cfg, head, run_target, out_dir: Path) -> LlamaCppSettings:
-    """bench.llama_cpp resolved: the target GGUF (heads.interop.gguf.TargetGGUF: "auto", the
-    target's own file; an outtype, converted once; a path) and the draft GGUF (exported from
-    `head` when not given); a null --spec-type is read from that file when the servers start
-    (build_llama_cpp_methods). `run_target`: the run's heads.target.RunTarget."""
-    from omegaconf import OmegaConf
-
-    from eval.bench.llama_cpp import check_draft_head
-    from eval.bench.llama_cpp_targets import resolve_target_ggufs
-    from heads.interop.gguf import export_gguf
-
-    doc = OmegaConf.to_container(cfg.llama_cpp, resolve=True)
-    settings = LlamaCppSettings(**doc)
-    settings.target_gguf, settings.resolved_types = resolve_target_ggufs(
-        run_target.config, settings.target_gguf
-    )
-    if settings.draft_gguf is None and "llama_cpp_draft" in cfg.methods:
-        if head is None:
-            raise ConfigError(
-                "llama_cpp_draft needs head_path (or llama_cpp.draft_gguf): give head_path=DIR."
-            )
-        check_draft_head(head)  # a head llama.cpp serves, before exporting it
-        kind = settings.draft_outtype
-        draft = out_dir / f"draft-{kind}.gguf"
-        gguf = export_gguf(head, run_target.target, run_target.source, draft, kind)
-        settings.draft_gguf = str(gguf)
-    return settings
+def _engine_methods(cfg, names, head, run_target, tree, meta: dict) -> list:
+    """The methods of `names` another engine serves: llama.cpp (eval/bench/llama_cpp.py) and
+    OpenVINO GenAI (eval/bench/openvino.py), their settings resolved into `meta`."""
+    out_dir = Path(cfg.get("out_dir") or _hydra_output_dir())
+    methods: list = []
+    if llama := [n for n in names if n in LLAMA_CPP_METHODS]:
+        settings = llama_cpp_settings(cfg, head, run_target, out_dir)
+        methods += build_llama_cpp_methods(llama, settings)
+        meta["llama_cpp"] = asdict(settings)
+    if ov := [n for n in names if n in OPENVINO_METHODS]:
+        settings = openvino_settings(cfg, head, run_target.target, out_dir)
+        methods += build_openvino_methods(ov, settings, tree, eos_token_ids(run_target.target))
+        meta["openvino"] = asdict(settings)
+    return methods
 
 
 def log_to_tracker(summary: dict, out_dir, logger_cfg, config: dict) -> None:

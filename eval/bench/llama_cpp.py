@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch import Tensor
 
@@ -260,3 +261,31 @@ def draft_length_limits(speed: dict[int, float]) -> tuple[int, int]:
         return 0, 0
     n_min = min(k for k in speed if k >= 1 and speed[k] >= speed[0])
     return n_max, n_min
+
+
+def llama_cpp_settings(cfg, head, run_target, out_dir: Path) -> LlamaCppSettings:
+    """bench.llama_cpp resolved: the target GGUF (heads.interop.gguf.TargetGGUF: "auto", the
+    target's own file; an outtype, converted once; a path) and the draft GGUF (exported from
+    `head` when not given); a null --spec-type is read from that file when the servers start
+    (build_llama_cpp_methods). `run_target`: the run's heads.target.RunTarget."""
+    from omegaconf import OmegaConf
+
+    from eval.bench.llama_cpp_targets import resolve_target_ggufs
+    from heads.interop.gguf import export_gguf
+
+    doc = OmegaConf.to_container(cfg.llama_cpp, resolve=True)
+    settings = LlamaCppSettings(**doc)
+    settings.target_gguf, settings.resolved_types = resolve_target_ggufs(
+        run_target.config, settings.target_gguf
+    )
+    if settings.draft_gguf is None and "llama_cpp_draft" in cfg.methods:
+        if head is None:
+            raise ConfigError(
+                "llama_cpp_draft needs head_path (or llama_cpp.draft_gguf): give head_path=DIR."
+            )
+        check_draft_head(head)  # a head llama.cpp serves, before exporting it
+        kind = settings.draft_outtype
+        draft = out_dir / f"draft-{kind}.gguf"
+        gguf = export_gguf(head, run_target.target, run_target.source, draft, kind)
+        settings.draft_gguf = str(gguf)
+    return settings

@@ -24,10 +24,10 @@ DEFINITIONS = {
     "generation (prefill included), pooled over requests.",
     "speedup_vs_plain": "tokens_per_s of the method / tokens_per_s of `plain` (one token per "
     "forward, same cache code) over the same requests in the same run; for llama.cpp methods, "
-    "of `llama_cpp_plain` (the same server without a draft).",
-    "baseline_mismatches": "llama.cpp methods: requests whose tokens differ from the same "
-    "engine's plain decoding (`llama_cpp_plain`); a lossless draft has 0, whatever the engine's "
-    "kernels do against HF.",
+    "of `llama_cpp_plain` (the same server without a draft); for OpenVINO, of `openvino_plain`.",
+    "baseline_mismatches": "engine methods (llama.cpp, OpenVINO): requests whose tokens differ "
+    "from the same engine's plain decoding (`llama_cpp_plain`, `openvino_plain`); a lossless "
+    "draft has 0, whatever the engine's kernels do against HF.",
     "speedup_vs_hf_generate": "tokens_per_s of the method / tokens_per_s of HF `generate` "
     "(greedy) over the same requests in the same run.",
     "accept_rate_by_depth": "entry d-1: fraction of decode steps that accepted at least d draft "
