@@ -283,3 +283,50 @@ def test_draft_length_script_prices_lengths_on_a_ceiling_curve(tmp_path, capsys)
     assert "--spec-draft-n-max: 3, --spec-draft-n-min: 1" in out
     with pytest.raises(SystemExit, match="measured"):
         cli.main([str(run), "--ceiling", str(ceiling), "--type", "bf16"])
+
+
+def test_step_costs_from_a_benchmark_and_from_a_ceiling_run():
+    from data.errors import ConfigError
+    from eval.bench.llama_cpp import measured_step_costs, ms_per_step
+    from eval.studies.engine_ceiling import ceiling_costs
+
+    assert ms_per_step({"seconds": 2.0, "target_forwards": 100}) == 20.0
+    assert ms_per_step({"seconds": 0.5, "target_forwards": 0}) == 500.0  # no step: one
+    plain = {"seconds": 1.0, "target_forwards": 100}
+    draft = {"seconds": 1.5, "target_forwards": 50, "accept_rate_by_depth": [0.6, None, 0.1]}
+    assert measured_step_costs(plain, draft) == ([0.6, 0.0, 0.1], {0: 10.0, 3: 30.0})
+    entry = {"verify_curve": {"ms": {"1": 10.0, "4": 12.0}},
+             "own": {"draft_length": {"draft_ms_per_token": 0.5, "overhead_ms": 1.5}}}  # fmt: skip
+    summary = {"types": {"q4_0": entry, "f32": {"verify_curve": {"ms": {"1": 30.0}}, "own": None}}}
+    assert ceiling_costs(summary, "q4_0") == {
+        "verify_ms": {1: 10.0, 4: 12.0}, "draft_ms_per_token": 0.5, "overhead_ms": 1.5
+    }  # fmt: skip
+    no_own_run = ceiling_costs(summary, "f32")
+    assert no_own_run["draft_ms_per_token"] == 0.0 and no_own_run["overhead_ms"] == 0.0
+    with pytest.raises(
+        ConfigError, match=r"--type bf16: the ceiling run measured \['f32', 'q4_0'\]"
+    ):
+        ceiling_costs(summary, "bf16")
+
+
+def test_draft_length_script_prices_lengths_on_the_benchmark_itself(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "draft_length", Path(__file__).resolve().parents[1] / "scripts/draft_length.py"
+    )
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    plain = {"seconds": 1.0, "target_forwards": 100}
+    draft = {"seconds": 1.2, "target_forwards": 100, "accept_rate_by_depth": [0.9, 0.8]}
+    methods = {"llama_cpp_plain": {"overall": plain}, "llama_cpp_draft": {"overall": draft}}
+    (tmp_path / "summary.json").write_text(json.dumps({"methods": methods}))
+    assert cli.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "per-position acceptance [0.9, 0.8]; ms per step: plain 10.0, draft of 2 12.0" in out
+    assert "  draft 2: expected 225.0 tokens/s  <- best" in out
+    assert "best --spec-draft-n-max: 2, --spec-draft-n-min: 1" in out
+    del methods["llama_cpp_draft"]
+    (tmp_path / "summary.json").write_text(json.dumps({"methods": methods}))
+    assert cli.main([str(tmp_path)]) == 1
+    assert "the run has no ['llama_cpp_draft']" in capsys.readouterr().err

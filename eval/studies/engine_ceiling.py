@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 from data.engines.llama_cpp import LlamaServer, ServerConfig
 from data.engines.llama_tools import CostCurve, verify_cost_curve
+from data.errors import ConfigError
 
 DEFAULT_RATES = [[0.6], [0.55, 0.30, 0.15], [0.75, 0.55, 0.40], [1.0, 1.0, 1.0]]
 
@@ -232,6 +233,22 @@ def draft_length_choice(
         "tokens_per_s": {str(k): v for k, v in speed.items()},
         "draft_ms_per_token": draft_ms,
         "overhead_ms": overhead_ms,
+    }
+
+
+def ceiling_costs(summary: dict, target_type: str | None) -> dict:
+    """best_draft_length's step costs (verify_ms, draft_ms_per_token, overhead_ms) for one type
+    of a finished ceiling run (its summary.json), to price draft lengths beyond a benchmark's
+    (scripts/draft_length.py --ceiling); ConfigError naming the measured types otherwise."""
+    types = summary["types"]
+    entry = types.get(target_type)
+    if entry is None:
+        raise ConfigError(f"--type {target_type}: the ceiling run measured {sorted(types)}")
+    length = (entry.get("own") or {}).get("draft_length") or {}
+    return {
+        "verify_ms": {int(k): v for k, v in entry["verify_curve"]["ms"].items()},
+        "draft_ms_per_token": length.get("draft_ms_per_token", 0.0),
+        "overhead_ms": length.get("overhead_ms", 0.0),
     }
 
 
