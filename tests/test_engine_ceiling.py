@@ -330,3 +330,57 @@ def test_draft_length_script_prices_lengths_on_the_benchmark_itself(tmp_path, ca
     (tmp_path / "summary.json").write_text(json.dumps({"methods": methods}))
     assert cli.main([str(tmp_path)]) == 1
     assert "the run has no ['llama_cpp_draft']" in capsys.readouterr().err
+
+
+def test_settings_from_the_command_lines_spelling(monkeypatch):
+    from eval.studies.engine_ceiling import ceiling_target
+
+    settings = CeilingSettings.from_text("q4_0,,f32", "1, 4,", "0.6;0.5,0.25;", threads=1)
+    assert settings.types == ["q4_0", "f32"] and settings.batches == [1, 4]
+    assert settings.rates == [[0.6], [0.5, 0.25]] and settings.threads == 1
+    with pytest.raises(ValueError, match="non-increasing"):
+        CeilingSettings.from_text("q4_0", "1", "0.2,0.5")
+    with pytest.raises(ValueError):  # not a number
+        CeilingSettings.from_text("q4_0", "1,x", "0.5")
+    monkeypatch.setenv("DRAFTSMITH_CACHE", "/tmp/cache-here")
+    cfg = ceiling_target("smollm2_135m")
+    assert (cfg.name_or_path, cfg.cache_dir) == ("smollm2_135m", "/tmp/cache-here")
+
+
+def test_engine_ceiling_script_runs_the_study_and_writes_the_report(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from eval.studies import engine_ceiling, engine_ceiling_report
+
+    spec = importlib.util.spec_from_file_location(
+        "engine_ceiling_cli", Path(__file__).resolve().parents[1] / "scripts/engine_ceiling.py"
+    )
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    seen = {}
+
+    def fake_run(settings, model_cfg, command):
+        seen.update(settings=settings, model=model_cfg.name_or_path, command=command)
+        return {"types": {}}
+
+    def fake_write(summary, out):
+        seen["summary"] = summary
+        return out / "report.md"
+
+    monkeypatch.setattr(engine_ceiling, "run_ceiling", fake_run)
+    monkeypatch.setattr(engine_ceiling_report, "write", fake_write)
+    out = tmp_path / "ceiling"
+    args = ["--types", "q4_0", "--batches", "1,2", "--rates", "1,1", "--out", str(out)]
+    assert cli.main([*args, "--draft", "d.gguf"]) == 0
+    assert capsys.readouterr().out == f"wrote {out / 'report.md'}\n"
+    assert seen["settings"] == CeilingSettings(
+        types=["q4_0"], batches=[1, 2], rates=[[1.0, 1.0]], draft_gguf="d.gguf"
+    )
+    assert seen["model"] == "smollm2_135m" and seen["command"].startswith(
+        "python scripts/engine_ceiling.py --types q4_0 --batches 1,2"
+    )
+    assert seen["summary"]["full_command"] == engine_ceiling.FULL_COMMAND.format(draft="d.gguf")
+    assert "--draft d.gguf --threads 2" in seen["summary"]["full_command"]
+    assert cli.main([*args, "--batches", "2,4"]) == 1  # no batch of 1: refused in one line
+    err = capsys.readouterr().err
+    assert err.startswith("engine_ceiling failed: batches=[2, 4]") and err.count("\n") == 1

@@ -34,6 +34,13 @@ from data.engines.llama_tools import CostCurve, verify_cost_curve
 from data.errors import ConfigError
 
 DEFAULT_RATES = [[0.6], [0.55, 0.30, 0.15], [0.75, 0.55, 0.40], [1.0, 1.0, 1.0]]
+# the full measurement behind docs/engine_ceiling (its report quotes it, {draft} filled in)
+FULL_COMMAND = (
+    "python scripts/engine_ceiling.py --model smollm2_135m --draft {draft} --threads 2 "
+    "--types q4_0,auto,q4_k_m,q8_0,bf16,f32 --batches 1,2,4,8,16 --depth 256 --reps 5 "
+    "--rates '0.6;0.55,0.30,0.15;0.75,0.55,0.40;1,1,1' --own-chain 3 --prompts 8 "
+    "--max-new-tokens 128 --out docs/engine_ceiling"
+)
 
 
 @dataclass
@@ -55,6 +62,17 @@ class CeilingSettings:
     max_new_tokens: int = 128
     cache_type: str = "f16"  # what users serve (the server's defaults)
     flash_attn: str = "auto"
+
+    @classmethod
+    def from_text(cls, types: str, batches: str, rates: str, **options) -> CeilingSettings:
+        """Settings as the command line spells them: comma-separated types and batch sizes,
+        rate vectors split by ';' (each comma-separated), e.g. "0.6;0.55,0.30,0.15"."""
+        return cls(
+            types=[t for t in types.split(",") if t],
+            batches=[int(x) for x in batches.split(",") if x.strip()],
+            rates=[[float(x) for x in v.split(",")] for v in rates.split(";") if v],
+            **options,
+        )
 
     def __post_init__(self) -> None:
         if self.threads < 1 or self.reps < 1 or self.prompts < 1 or self.max_new_tokens < 2:
@@ -363,6 +381,16 @@ def own_draft_entry(
 def fastest_plain_type(types: dict) -> str:
     """The type whose plain decoding is fastest (`types`: label -> measure_type's result)."""
     return max(types, key=lambda t: types[t]["plain"]["tokens_per_s"])
+
+
+def ceiling_target(model: str):
+    """The TargetConfig of an embedded name or HF folder, cached in $DRAFTSMITH_CACHE (else
+    ~/.cache/draftsmith)."""
+    from heads.target import TargetConfig
+
+    return TargetConfig(
+        model, cache_dir=os.environ.get("DRAFTSMITH_CACHE") or "~/.cache/draftsmith"
+    )
 
 
 def run_ceiling(settings: CeilingSettings, model_cfg, command: str, log=print) -> dict:
