@@ -13,23 +13,11 @@ OUT/report.md, OUT/summary.json and plots. Rates: per-position vectors split by 
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-
-FULL = (
-    "python scripts/engine_ceiling.py --model smollm2_135m --draft {draft} --threads 2 "
-    "--types q4_0,auto,q4_k_m,q8_0,bf16,f32 --batches 1,2,4,8,16 --depth 256 --reps 5 "
-    "--rates '0.6;0.55,0.30,0.15;0.75,0.55,0.40;1,1,1' --own-chain 3 --prompts 8 "
-    "--max-new-tokens 128 --out docs/engine_ceiling"
-)
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,31 +38,26 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from data.engines.llama_cpp import EngineError
-    from eval.studies.engine_ceiling import CeilingSettings, run_ceiling
+    from eval.studies.engine_ceiling import (
+        FULL_COMMAND,
+        CeilingSettings,
+        ceiling_target,
+        run_ceiling,
+    )
     from eval.studies.engine_ceiling_report import write
-    from heads.target import TargetConfig
 
     try:
-        settings = CeilingSettings(
-            types=[t for t in args.types.split(",") if t],
-            threads=args.threads,
-            batches=_ints(args.batches),
-            depth=args.depth,
-            reps=args.reps,
-            draft_gguf=args.draft,
-            spec_type=args.spec_type,
-            rates=[[float(x) for x in v.split(",")] for v in args.rates.split(";") if v],
-            own_chain=args.own_chain,
-            prompts=args.prompts,
-            max_new_tokens=args.max_new_tokens,
-        )
-        cache = os.environ.get("DRAFTSMITH_CACHE") or "~/.cache/draftsmith"
+        settings = CeilingSettings.from_text(
+            args.types, args.batches, args.rates, threads=args.threads, depth=args.depth,
+            reps=args.reps, draft_gguf=args.draft, spec_type=args.spec_type,
+            own_chain=args.own_chain, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+        )  # fmt: skip
         command = shlex.join(["python", "scripts/engine_ceiling.py", *(argv or sys.argv[1:])])
-        summary = run_ceiling(settings, TargetConfig(args.model, cache_dir=cache), command)
+        summary = run_ceiling(settings, ceiling_target(args.model), command)
     except (EngineError, ValueError, FileNotFoundError) as e:
         print(f"engine_ceiling failed: {e}", file=sys.stderr)
         return 1
-    summary["full_command"] = FULL.format(draft=args.draft or "DRAFT.gguf")
+    summary["full_command"] = FULL_COMMAND.format(draft=args.draft or "DRAFT.gguf")
     print(f"wrote {write(summary, args.out)}")
     return 0
 

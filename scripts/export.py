@@ -1,24 +1,7 @@
 """Export a trained draft for serving engines, the Hub, or draftsmith itself.
 
-    python scripts/export.py RUN_DIR --format eagle3 --out DIR
-    python scripts/export.py RUN_DIR --format medusa --out DIR --bench outputs/eval/<run>
-    python scripts/export.py RUN_DIR --format eagle3 --out DIR --push-to-hub me/smollm2-eagle3
-    python scripts/export.py RUN_DIR --format gguf --out DIR [--draft-outtype q8_0]
-        [--target-outtype f32] [--chain 7]
-
-RUN_DIR is what train.py wrote (its best_head/, else head/), a head folder, or a checkpoint
-(RUN_DIR/checkpoints/step_N: that step's weights). Formats:
-native (draftsmith's own), eagle3 (vLLM / SGLang EAGLE-3), eagle (EAGLE-1/2), medusa (vLLM's
-Medusa), medusa_fd (FasterDecoding/Medusa), dflash (z-lab's DFlash layout: vLLM, SGLang,
-llama.cpp's converter), speculators (vllm-project/speculators' DFlashSpeculator). The folder
-gets config.json, model.safetensors and a model card, and is proved before it is written: it is
-re-imported and decoded greedily next to the head on a few prompts (same tokens, same tau), or
-the export fails and writes nothing.
---push-to-hub uploads it (private unless --public) with the token in HF_TOKEN.
-gguf (llama.cpp, EAGLE-3 and DFlash drafts) writes draft-<outtype>.gguf through llama.cpp's
-converter and proves it in llama-server: drafted greedy output = llama.cpp's plain output
-(eval/publish/gguf_export.py), with --chain draft tokens a step (a DFlash block of B drafts up
-to B-1).
+Sources, formats and the proof: docs/guides/export.md; GGUF for llama.cpp (--format gguf,
+--draft-outtype, --target-outtype, --chain): docs/guides/llama_cpp.md.
 """
 
 from __future__ import annotations
@@ -67,61 +50,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
-    from eval.publish.export import ExportCheckError, export_draft
+    from data.engines.llama_cpp import EngineError
+    from eval.publish.export import ExportCheckError, export_draft, summary
+    from eval.publish.gguf_export import export_gguf_run, gguf_summary
     from eval.publish.hub import HubUploadError
 
-    if args.format == "gguf":
-        return _export_gguf(args)
-
+    checks = {"check_prompts": args.check_prompts, "check_tokens": args.check_tokens}
     try:
-        result = export_draft(
-            args.source,
-            args.format,
-            args.out,
-            bench=args.bench,
-            check_prompts=args.check_prompts,
-            check_tokens=args.check_tokens,
-            push=args.push_to_hub,
-            private=not args.public,
-            overwrite=args.overwrite,
-        )
-    except (ExportCheckError, HubUploadError, FileExistsError, FileNotFoundError, ValueError) as e:
+        if args.format == "gguf":
+            doc = export_gguf_run(args.source, args.out, outtype=args.outtype, chain=args.chain,
+                                  target_outtype=args.target_outtype,
+                                  overwrite=args.overwrite, **checks)  # fmt: skip
+            print(gguf_summary(args.out, doc))
+        else:
+            result = export_draft(args.source, args.format, args.out, bench=args.bench,
+                                  push=args.push_to_hub, private=not args.public,
+                                  overwrite=args.overwrite, **checks)  # fmt: skip
+            print(summary(result))
+    except (ExportCheckError, EngineError, HubUploadError, FileExistsError, FileNotFoundError,
+            ValueError) as e:  # fmt: skip
         print(f"export failed: {e}", file=sys.stderr)
         return 1
-    check = result.check
-    print(f"wrote {result.out} ({result.format}); round trip on {check['prompts']} prompts: "
-          f"tau {check['tau_export']:.3f} = head {check['tau_head']:.3f}")  # fmt: skip
-    if result.url:
-        print(f"pushed: {result.url}")
-    return 0
-
-
-def _export_gguf(args) -> int:
-    from data.engines.llama_cpp import EngineError
-    from eval.publish.export import ExportCheckError
-    from eval.publish.gguf_export import export_gguf_run
-
-    try:
-        doc = export_gguf_run(
-            args.source,
-            args.out,
-            outtype=args.outtype,
-            target_outtype=args.target_outtype,
-            check_prompts=args.check_prompts,
-            check_tokens=args.check_tokens,
-            chain=args.chain,
-            overwrite=args.overwrite,
-        )
-    except (ExportCheckError, EngineError, FileExistsError, FileNotFoundError, ValueError) as e:
-        print(f"export failed: {e}", file=sys.stderr)
-        return 1
-    check = doc["check"]
-    print(
-        f"wrote {args.out}/{doc['draft']} ({doc['spec_type']}); llama.cpp with the draft = "
-        f"plain on {check['identical']}/{check['prompts']} prompts "
-        f"({len(check['near_tie_divergences'])} near-tie divergences); accepted draft tokens "
-        f"llama.cpp {check['llama_cpp_accepted']}, harness {check['harness_accepted']}"
-    )
     return 0
 
 

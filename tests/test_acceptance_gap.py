@@ -284,3 +284,42 @@ def test_script_on_a_run_dir(tmp_path):
     assert result["decode"]["greedy_mismatches"] == 0
     assert result["setup"]["validation_conversations"] == 2
     assert result["validation"]["rows"] > 0 and result["mt_bench"]["rows"] > 0
+
+
+def test_references_are_cached_per_target_prompts_and_length(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from eval.analysis import acceptance_gap
+
+    calls = []
+
+    def fake_greedy(target, prompts, max_new_tokens):
+        calls.append(len(prompts))
+        return [[7] * max_new_tokens for _ in prompts]
+
+    monkeypatch.setattr(acceptance_gap, "hf_greedy", fake_greedy)
+    target = SimpleNamespace(fingerprint="t1")
+    prompts = [torch.tensor([[1, 2]]), torch.tensor([[3]])]
+    path = str(tmp_path / "refs.json")
+    assert acceptance_gap.references_for(path, target, prompts, 2) == [[7, 7], [7, 7]]
+    assert acceptance_gap.references_for(path, target, prompts[:1], 2) == [[7, 7]]  # read back
+    assert calls == [2]
+    acceptance_gap.references_for(path, target, prompts, 3)  # another length: computed again
+    acceptance_gap.references_for(path, SimpleNamespace(fingerprint="t2"), prompts, 3)
+    acceptance_gap.references_for(None, target, prompts, 3)  # no cache: always computed
+    assert calls == [2, 2, 2, 2]
+
+
+def test_script_without_a_head_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    import sys
+    from pathlib import Path
+
+    from eval.analysis import acceptance_gap
+
+    monkeypatch.setattr(acceptance_gap, "load_run", lambda run_dir: (None, [], {}))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from acceptance_gap import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--run-dir", str(tmp_path)])
+    assert stop.value.code == 2 and "holds no head (best_head/ or head/)" in capsys.readouterr().err

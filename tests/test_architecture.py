@@ -3,7 +3,8 @@
 Inside eval/ the three jobs have a direction of their own: eval.engine (decoding) is the base and
 imports no other part of eval; eval.bench (the benchmark) and eval.publish (export, proof, upload)
 each build on the engine and never on each other, so either can change without the other.
-On top of that: no import cycle between the project's modules, and no code file over 500 lines.
+On top of that: no import cycle between the project's modules, no code file over 500 lines, and
+no script over 80 (scripts/*.py parse arguments and call a module that holds the logic).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ MAX_LINES = 500
 # path -> why it may be longer than MAX_LINES (empty: no file has a reason today)
 LONG_FILES: dict[str, str] = {}
 SKIP_DIRS = {"tests", "outputs", "node_modules", "site-packages"}
+# a script is argument parsing and a call: its logic lives in an importable, tested module
+MAX_SCRIPT_LINES = 80
+# scripts/<name>.py -> why it may be longer than MAX_SCRIPT_LINES (empty: none has a reason)
+LONG_SCRIPTS: dict[str, str] = {}
 
 
 def _module_name(path: Path) -> str:
@@ -200,6 +205,21 @@ def test_no_long_code_files():
     )
     stale = [p for p in LONG_FILES if not (ROOT / p).is_file()]
     assert not stale, f"LONG_FILES names files that are gone: {stale}"
+
+
+def test_scripts_are_thin():
+    long = []
+    for path in sorted((ROOT / "scripts").glob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_SCRIPT_LINES and rel not in LONG_SCRIPTS:
+            long.append(f"{rel}: {lines} lines")
+    assert not long, (
+        f"scripts over {MAX_SCRIPT_LINES} lines (move the logic into the module where its "
+        "concept lives, and test it there; or give a reason in LONG_SCRIPTS):\n" + "\n".join(long)
+    )
+    stale = [p for p in LONG_SCRIPTS if not (ROOT / p).is_file()]
+    assert not stale, f"LONG_SCRIPTS names scripts that are gone: {stale}"
 
 
 def test_the_checks_see_what_they_guard(tmp_path):

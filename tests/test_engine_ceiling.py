@@ -283,3 +283,104 @@ def test_draft_length_script_prices_lengths_on_a_ceiling_curve(tmp_path, capsys)
     assert "--spec-draft-n-max: 3, --spec-draft-n-min: 1" in out
     with pytest.raises(SystemExit, match="measured"):
         cli.main([str(run), "--ceiling", str(ceiling), "--type", "bf16"])
+
+
+def test_step_costs_from_a_benchmark_and_from_a_ceiling_run():
+    from data.errors import ConfigError
+    from eval.bench.llama_cpp import measured_step_costs, ms_per_step
+    from eval.studies.engine_ceiling import ceiling_costs
+
+    assert ms_per_step({"seconds": 2.0, "target_forwards": 100}) == 20.0
+    assert ms_per_step({"seconds": 0.5, "target_forwards": 0}) == 500.0  # no step: one
+    plain = {"seconds": 1.0, "target_forwards": 100}
+    draft = {"seconds": 1.5, "target_forwards": 50, "accept_rate_by_depth": [0.6, None, 0.1]}
+    assert measured_step_costs(plain, draft) == ([0.6, 0.0, 0.1], {0: 10.0, 3: 30.0})
+    entry = {"verify_curve": {"ms": {"1": 10.0, "4": 12.0}},
+             "own": {"draft_length": {"draft_ms_per_token": 0.5, "overhead_ms": 1.5}}}  # fmt: skip
+    summary = {"types": {"q4_0": entry, "f32": {"verify_curve": {"ms": {"1": 30.0}}, "own": None}}}
+    assert ceiling_costs(summary, "q4_0") == {
+        "verify_ms": {1: 10.0, 4: 12.0}, "draft_ms_per_token": 0.5, "overhead_ms": 1.5
+    }  # fmt: skip
+    no_own_run = ceiling_costs(summary, "f32")
+    assert no_own_run["draft_ms_per_token"] == 0.0 and no_own_run["overhead_ms"] == 0.0
+    with pytest.raises(
+        ConfigError, match=r"--type bf16: the ceiling run measured \['f32', 'q4_0'\]"
+    ):
+        ceiling_costs(summary, "bf16")
+
+
+def test_draft_length_script_prices_lengths_on_the_benchmark_itself(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "draft_length", Path(__file__).resolve().parents[1] / "scripts/draft_length.py"
+    )
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    plain = {"seconds": 1.0, "target_forwards": 100}
+    draft = {"seconds": 1.2, "target_forwards": 100, "accept_rate_by_depth": [0.9, 0.8]}
+    methods = {"llama_cpp_plain": {"overall": plain}, "llama_cpp_draft": {"overall": draft}}
+    (tmp_path / "summary.json").write_text(json.dumps({"methods": methods}))
+    assert cli.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "per-position acceptance [0.9, 0.8]; ms per step: plain 10.0, draft of 2 12.0" in out
+    assert "  draft 2: expected 225.0 tokens/s  <- best" in out
+    assert "best --spec-draft-n-max: 2, --spec-draft-n-min: 1" in out
+    del methods["llama_cpp_draft"]
+    (tmp_path / "summary.json").write_text(json.dumps({"methods": methods}))
+    assert cli.main([str(tmp_path)]) == 1
+    assert "the run has no ['llama_cpp_draft']" in capsys.readouterr().err
+
+
+def test_settings_from_the_command_lines_spelling(monkeypatch):
+    from eval.studies.engine_ceiling import ceiling_target
+
+    settings = CeilingSettings.from_text("q4_0,,f32", "1, 4,", "0.6;0.5,0.25;", threads=1)
+    assert settings.types == ["q4_0", "f32"] and settings.batches == [1, 4]
+    assert settings.rates == [[0.6], [0.5, 0.25]] and settings.threads == 1
+    with pytest.raises(ValueError, match="non-increasing"):
+        CeilingSettings.from_text("q4_0", "1", "0.2,0.5")
+    with pytest.raises(ValueError):  # not a number
+        CeilingSettings.from_text("q4_0", "1,x", "0.5")
+    monkeypatch.setenv("DRAFTSMITH_CACHE", "/tmp/cache-here")
+    cfg = ceiling_target("smollm2_135m")
+    assert (cfg.name_or_path, cfg.cache_dir) == ("smollm2_135m", "/tmp/cache-here")
+
+
+def test_engine_ceiling_script_runs_the_study_and_writes_the_report(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from eval.studies import engine_ceiling, engine_ceiling_report
+
+    spec = importlib.util.spec_from_file_location(
+        "engine_ceiling_cli", Path(__file__).resolve().parents[1] / "scripts/engine_ceiling.py"
+    )
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    seen = {}
+
+    def fake_run(settings, model_cfg, command):
+        seen.update(settings=settings, model=model_cfg.name_or_path, command=command)
+        return {"types": {}}
+
+    def fake_write(summary, out):
+        seen["summary"] = summary
+        return out / "report.md"
+
+    monkeypatch.setattr(engine_ceiling, "run_ceiling", fake_run)
+    monkeypatch.setattr(engine_ceiling_report, "write", fake_write)
+    out = tmp_path / "ceiling"
+    args = ["--types", "q4_0", "--batches", "1,2", "--rates", "1,1", "--out", str(out)]
+    assert cli.main([*args, "--draft", "d.gguf"]) == 0
+    assert capsys.readouterr().out == f"wrote {out / 'report.md'}\n"
+    assert seen["settings"] == CeilingSettings(
+        types=["q4_0"], batches=[1, 2], rates=[[1.0, 1.0]], draft_gguf="d.gguf"
+    )
+    assert seen["model"] == "smollm2_135m" and seen["command"].startswith(
+        "python scripts/engine_ceiling.py --types q4_0 --batches 1,2"
+    )
+    assert seen["summary"]["full_command"] == engine_ceiling.FULL_COMMAND.format(draft="d.gguf")
+    assert "--draft d.gguf --threads 2" in seen["summary"]["full_command"]
+    assert cli.main([*args, "--batches", "2,4"]) == 1  # no batch of 1: refused in one line
+    err = capsys.readouterr().err
+    assert err.startswith("engine_ceiling failed: batches=[2, 4]") and err.count("\n") == 1

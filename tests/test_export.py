@@ -171,6 +171,56 @@ def test_the_command_line_reports_failures(tmp_path, capsys):
     assert code == 1 and "export failed: " in capsys.readouterr().err
 
 
+def test_the_command_line_prints_each_exports_summary(tmp_path, monkeypatch, capsys):
+    """The flags reach export_draft / export_gguf_run, and their results print as one summary
+    (the exports themselves stood in for)."""
+    import importlib.util
+    from pathlib import Path
+
+    from eval.publish import export as export_module
+    from eval.publish import gguf_export
+    from eval.publish.export import ExportResult
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "export.py"
+    spec = importlib.util.spec_from_file_location("export_cli", path)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    calls = []
+    check = {"prompts": 4, "tau_export": 1.5, "tau_head": 1.5}
+
+    def fake_export(source, fmt, out, **kw):
+        calls.append((fmt, kw))
+        return ExportResult(out, fmt, {}, check, url="https://hub/me/d" if kw["push"] else None)
+
+    proof = {"identical": 3, "prompts": 4, "near_tie_divergences": [1],
+             "llama_cpp_accepted": 10, "harness_accepted": 11}  # fmt: skip
+
+    def fake_gguf(source, out, **kw):
+        calls.append(("gguf", kw))
+        return {"draft": "draft-q8_0.gguf", "spec_type": "draft-eagle3", "check": proof}
+
+    monkeypatch.setattr(export_module, "export_draft", fake_export)
+    monkeypatch.setattr(gguf_export, "export_gguf_run", fake_gguf)
+    out = tmp_path / "o"
+    assert cli.main(["run", "--format", "eagle3", "--out", str(out), "--push-to-hub", "me/d"]) == 0
+    assert capsys.readouterr().out == (
+        f"wrote {out} (eagle3); round trip on 4 prompts: tau 1.500 = head 1.500\n"
+        "pushed: https://hub/me/d\n"
+    )
+    assert calls[-1][1] == {"bench": None, "push": "me/d", "private": True, "overwrite": False,
+                            "check_prompts": 4, "check_tokens": 32}  # fmt: skip
+    assert cli.main(["run", "--format", "native", "--out", str(out), "--check-prompts", "2"]) == 0
+    assert "pushed" not in capsys.readouterr().out and calls[-1][1]["check_prompts"] == 2
+    args = ["run", "--format", "gguf", "--out", str(out), "--draft-outtype", "q8_0", "--chain", "7"]
+    assert cli.main(args) == 0
+    assert capsys.readouterr().out == (
+        f"wrote {out}/draft-q8_0.gguf (draft-eagle3); llama.cpp with the draft = plain on 3/4 "
+        "prompts (1 near-tie divergences); accepted draft tokens llama.cpp 10, harness 11\n"
+    )
+    gguf_options = {"outtype": "q8_0", "chain": 7, "target_outtype": None, "overwrite": False}
+    assert calls[-1] == ("gguf", {**gguf_options, "check_prompts": 4, "check_tokens": 32})
+
+
 def test_the_card_names_data_files_without_local_folders(target, tmp_path):
     """A model card goes on a public page: no home or temp folders in it."""
     import hashlib

@@ -58,6 +58,16 @@ def test_load_target_config_drops_the_hydra_key(monkeypatch):
     assert (seen[0].name_or_path, seen[0].dtype) == ("some/model", "auto")
 
 
+def test_conf_target_config_reads_a_conf_model_option(monkeypatch):
+    cfg = rundir.conf_target_config("smollm2_135m")
+    assert (cfg.name_or_path, cfg.dtype) == ("smollm2_135m", "float32")
+    assert "${" not in str(cfg.cache_dir)  # interpolations resolved
+    monkeypatch.setattr("heads.target.load_target", lambda c: ("loaded", c.name_or_path))
+    assert rundir.load_conf_target("smollm2_135m") == ("loaded", "smollm2_135m")
+    with pytest.raises(FileNotFoundError, match="conf/model option"):
+        rundir.conf_target_config("no_such_model")
+
+
 def test_load_run_target_reads_the_runs_config(tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr("heads.target.load_target", lambda cfg: seen.append(cfg) or "target")

@@ -177,8 +177,8 @@ def load_target_config(model: Mapping[str, Any]):
     return load_target(target_config(model))
 
 
-def load_conf_target(name: str):
-    """Load the target of a conf/model option by name (e.g. "smollm2_135m"), its
+def conf_target_config(name: str):
+    """The TargetConfig of a conf/model option by name (e.g. "smollm2_135m"), its
     interpolations (`${oc.env:...}`) resolved."""
     from omegaconf import OmegaConf
 
@@ -187,7 +187,14 @@ def load_conf_target(name: str):
     path = resolve_path(f"conf/model/{name}.yaml")
     if not Path(path).is_file():
         raise FileNotFoundError(f"{path} not found: give a conf/model option name (--model).")
-    return load_target_config(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
+    return target_config(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
+
+
+def load_conf_target(name: str):
+    """Load the target of a conf/model option by name (see conf_target_config)."""
+    from heads.target import load_target
+
+    return load_target(conf_target_config(name))
 
 
 def load_run_target(run_dir: str | os.PathLike):

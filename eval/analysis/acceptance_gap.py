@@ -21,7 +21,10 @@ as a difference).
 
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -356,3 +359,75 @@ def chat_prompts(path: str, limit: int, tokenizer) -> list[Tensor]:
 
     rows = read_prompts(str(resolve_path(path)))[:limit]
     return [encode_chat(tokenizer, [{"role": "user", "content": q["turns"][0]}]) for q in rows]
+
+
+def references_for(
+    path: str | None, target, prompts: list, max_new_tokens: int | list[int]
+) -> list[list[int]]:
+    """HF generate's greedy answers to `prompts`: read from `path` (JSON) when it holds them for
+    this target, these prompts and this length, else computed (and written there)."""
+    from train.rundir import write_json_atomic
+
+    want = {"target": target.fingerprint, "max_new_tokens": max_new_tokens}
+    asked = [p[0].tolist() for p in prompts]
+    if path and Path(path).is_file():
+        doc = json.loads(Path(path).read_text())
+        rows = doc.get("rows", [])[: len(asked)]
+        if {k: doc.get(k) for k in want} == want and [r["prompt"] for r in rows] == asked:
+            return [r["tokens"] for r in rows]
+    answers = hf_greedy(target, prompts, max_new_tokens)
+    if path:
+        rows = [{"prompt": p, "tokens": a} for p, a in zip(asked, answers, strict=True)]
+        write_json_atomic(path, {**want, "rows": rows})
+    return answers
+
+
+class NoHeadError(FileNotFoundError):
+    """The run dir holds no kept head and none was given."""
+
+
+def measure_run(
+    run_dir: str, head_dir: str | Path | None, *, prompts: str, limit: int,
+    max_new_tokens: int = 128, depth: int = 3, val_limit: int | None = None,
+    greedy_limit: int = 0, greedy_max_new: int = 128, decode_limit: int | None = None,
+    references: str | None = None, val_references: str | None = None, command: str = "",
+) -> dict:  # fmt: skip
+    """`analyse` on a training run (scripts/acceptance_gap.py): its target and validation split
+    (`load_run`), the head in `head_dir` (None: the run's kept head, else NoHeadError), the
+    first `limit` questions of `prompts` answered by HF generate (cached in `references`), the
+    first `greedy_limit` validation first turns answered again (at most `greedy_max_new` tokens;
+    cached in `val_references`); with a "setup" section saying what was measured, in how long."""
+    import heads
+    from train.rundir import kept_head
+
+    started = time.perf_counter()
+    target, val, precision = load_run(run_dir)
+    head_dir = Path(head_dir) if head_dir else kept_head(run_dir)
+    if head_dir is None:
+        raise NoHeadError(f"{run_dir} holds no head (best_head/ or head/): pass --head.")
+    head = heads.from_pretrained(str(head_dir), target).eval()
+    bench = chat_prompts(prompts, limit, target.tokenizer)
+    answers = references_for(references, target, bench, max_new_tokens)
+    val = val[:val_limit]
+    firsts = first_turn_prompts(val[:greedy_limit])
+    limits = [min(n, greedy_max_new) for _, n in firsts]
+    firsts_prompts = [p for p, _ in firsts]
+    regenerated = references_for(val_references, target, firsts_prompts, limits)
+    result = analyse(
+        head, target, val, list(zip(bench, answers, strict=True)),
+        list(zip(firsts_prompts, regenerated, strict=True)), max_new_tokens, depth,
+        decode_limit, precision,
+    )  # fmt: skip
+    result["setup"] = {
+        "head": str(head_dir),
+        "command": command,
+        "validation_conversations": len(val),
+        "regenerated_first_turns": len(firsts),
+        "decoded": len(bench[:decode_limit]),
+        "prompts": prompts,
+        "limit": limit,
+        "max_new_tokens": max_new_tokens,
+        "trainer_precision": {k: str(v) for k, v in precision.items()},
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    return result

@@ -204,6 +204,19 @@ def _server_config(name: str, model: str, settings: LlamaCppSettings) -> ServerC
     return None
 
 
+def ms_per_step(metrics: dict) -> float:
+    """Wall milliseconds per target step of a method (prefill excluded as far as counted)."""
+    return 1000 * metrics["seconds"] / max(metrics["target_forwards"], 1)
+
+
+def measured_step_costs(plain: dict, draft: dict) -> tuple[list[float], dict[int, float]]:
+    """(per-position acceptance, draft length -> ms per step) from a benchmark's overall
+    metrics of llama_cpp_plain and llama_cpp_draft: 0 drafted tokens cost a plain step, n_max
+    (the draft's length) a drafted one, its drafting included (for best_draft_length)."""
+    at_least = [r or 0.0 for r in draft["accept_rate_by_depth"]]
+    return at_least, {0: ms_per_step(plain), len(at_least): ms_per_step(draft)}
+
+
 def best_draft_length(
     at_least: list[float],
     step_ms: dict[int, float] | None = None,

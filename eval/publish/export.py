@@ -48,6 +48,14 @@ class ExportResult:
     url: str | None = None  # the Hub commit, when pushed
 
 
+def summary(result: ExportResult) -> str:
+    """What the command line prints after an export: the folder, its round trip, the Hub URL."""
+    check = result.check
+    line = (f"wrote {result.out} ({result.format}); round trip on {check['prompts']} prompts: "
+            f"tau {check['tau_export']:.3f} = head {check['tau_head']:.3f}")  # fmt: skip
+    return line + (f"\npushed: {result.url}" if result.url else "")
+
+
 def find_head(source: str | Path) -> tuple[Path, Path | None]:
     """(head folder, run dir or None) for a run dir (best_head, else head), a head folder, or a
     checkpoint folder (its step's weights: train.checkpoint.head_from_checkpoint)."""

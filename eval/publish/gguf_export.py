@@ -183,3 +183,14 @@ def export_gguf_run(
     atomic_save_dir(out, write)
     log.info("exported %s as GGUF to %s: %s", head_dir, out, found["check"])
     return found
+
+
+def gguf_summary(out: str | Path, doc: dict) -> str:
+    """What the command line prints after export_gguf_run: the draft file and its proof."""
+    check = doc["check"]
+    return (
+        f"wrote {out}/{doc['draft']} ({doc['spec_type']}); llama.cpp with the draft = "
+        f"plain on {check['identical']}/{check['prompts']} prompts "
+        f"({len(check['near_tie_divergences'])} near-tie divergences); accepted draft tokens "
+        f"llama.cpp {check['llama_cpp_accepted']}, harness {check['harness_accepted']}"
+    )

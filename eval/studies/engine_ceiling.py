@@ -31,8 +31,16 @@ from dataclasses import asdict, dataclass, field
 
 from data.engines.llama_cpp import LlamaServer, ServerConfig
 from data.engines.llama_tools import CostCurve, verify_cost_curve
+from data.errors import ConfigError
 
 DEFAULT_RATES = [[0.6], [0.55, 0.30, 0.15], [0.75, 0.55, 0.40], [1.0, 1.0, 1.0]]
+# the full measurement behind docs/engine_ceiling (its report quotes it, {draft} filled in)
+FULL_COMMAND = (
+    "python scripts/engine_ceiling.py --model smollm2_135m --draft {draft} --threads 2 "
+    "--types q4_0,auto,q4_k_m,q8_0,bf16,f32 --batches 1,2,4,8,16 --depth 256 --reps 5 "
+    "--rates '0.6;0.55,0.30,0.15;0.75,0.55,0.40;1,1,1' --own-chain 3 --prompts 8 "
+    "--max-new-tokens 128 --out docs/engine_ceiling"
+)
 
 
 @dataclass
@@ -54,6 +62,17 @@ class CeilingSettings:
     max_new_tokens: int = 128
     cache_type: str = "f16"  # what users serve (the server's defaults)
     flash_attn: str = "auto"
+
+    @classmethod
+    def from_text(cls, types: str, batches: str, rates: str, **options) -> CeilingSettings:
+        """Settings as the command line spells them: comma-separated types and batch sizes,
+        rate vectors split by ';' (each comma-separated), e.g. "0.6;0.55,0.30,0.15"."""
+        return cls(
+            types=[t for t in types.split(",") if t],
+            batches=[int(x) for x in batches.split(",") if x.strip()],
+            rates=[[float(x) for x in v.split(",")] for v in rates.split(";") if v],
+            **options,
+        )
 
     def __post_init__(self) -> None:
         if self.threads < 1 or self.reps < 1 or self.prompts < 1 or self.max_new_tokens < 2:
@@ -235,6 +254,22 @@ def draft_length_choice(
     }
 
 
+def ceiling_costs(summary: dict, target_type: str | None) -> dict:
+    """best_draft_length's step costs (verify_ms, draft_ms_per_token, overhead_ms) for one type
+    of a finished ceiling run (its summary.json), to price draft lengths beyond a benchmark's
+    (scripts/draft_length.py --ceiling); ConfigError naming the measured types otherwise."""
+    types = summary["types"]
+    entry = types.get(target_type)
+    if entry is None:
+        raise ConfigError(f"--type {target_type}: the ceiling run measured {sorted(types)}")
+    length = (entry.get("own") or {}).get("draft_length") or {}
+    return {
+        "verify_ms": {int(k): v for k, v in entry["verify_curve"]["ms"].items()},
+        "draft_ms_per_token": length.get("draft_ms_per_token", 0.0),
+        "overhead_ms": length.get("overhead_ms", 0.0),
+    }
+
+
 # ---- one run ---------------------------------------------------------------------------------
 
 
@@ -346,6 +381,16 @@ def own_draft_entry(
 def fastest_plain_type(types: dict) -> str:
     """The type whose plain decoding is fastest (`types`: label -> measure_type's result)."""
     return max(types, key=lambda t: types[t]["plain"]["tokens_per_s"])
+
+
+def ceiling_target(model: str):
+    """The TargetConfig of an embedded name or HF folder, cached in $DRAFTSMITH_CACHE (else
+    ~/.cache/draftsmith)."""
+    from heads.target import TargetConfig
+
+    return TargetConfig(
+        model, cache_dir=os.environ.get("DRAFTSMITH_CACHE") or "~/.cache/draftsmith"
+    )
 
 
 def run_ceiling(settings: CeilingSettings, model_cfg, command: str, log=print) -> dict:
