@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
 
 import heads
 from heads.target import load_target
@@ -32,19 +33,33 @@ SMALL = [
 ]
 
 
-def _compose(name: str, extra: list[str], tmp_path: Path | None = None):
+@pytest.fixture(scope="module")
+def shared_answers(tmp_path_factory) -> Path:
+    """One folder for the self-distilled answers of every `_llama` experiment: they ask the same
+    12 prompts of the same target with the same settings, so llama-server answers them once and
+    the later experiments reuse the file (distill checks its settings before reusing it)."""
+    return tmp_path_factory.mktemp("answers")
+
+
+def _compose(
+    name: str, extra: list[str], tmp_path: Path | None = None, answers: Path | None = None
+):
     if "_llama" in name and tmp_path is not None:
         # the real default path (self-distilled data, disk feature cache), cut to a few prompts
         extra = [
             "data.self_distill.prompts=[{path: data/corpora/oa_prompts_en/prompts.jsonl, "
             "skip: 16, max_rows: 12}]",
             "data.self_distill.max_new_tokens=12",
-            f"data.self_distill.out={tmp_path}/sd/sd.jsonl",
+            f"data.self_distill.out={answers or tmp_path / 'sd'}/sd.jsonl",
             f"data.feature_cache={tmp_path}/features",
             *extra,
         ]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("config", overrides=[f"+experiment={name}", *SMALL, *extra])
+        cfg = compose("config", overrides=[f"+experiment={name}", *SMALL, *extra])
+    with open_dict(cfg):
+        for evaluator in cfg.get("evaluators") or []:  # the checkpoint-tau evaluator still runs,
+            evaluator.limit, evaluator.max_new_tokens = 1, 8  # on one short prompt
+    return cfg
 
 
 def test_experiments_exist():
@@ -52,8 +67,8 @@ def test_experiments_exist():
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_experiment_runs_two_steps_saves_and_resumes(name, tmp_path):
-    cfg = _compose(name, [], tmp_path)
+def test_experiment_runs_two_steps_saves_and_resumes(name, tmp_path, shared_answers):
+    cfg = _compose(name, [], tmp_path, shared_answers)
     result = run(cfg, run_dir=tmp_path)
     assert result.step == 2 and not result.stopped_early
     assert any(k.endswith("head0/top1") for k in result.val_metrics)
@@ -63,7 +78,9 @@ def test_experiment_runs_two_steps_saves_and_resumes(name, tmp_path):
     h = torch.randn(3, target.hidden_size)
     assert torch.isfinite(head(h)).all()
     # A longer run in the same dir resumes from step 2 instead of starting over.
-    longer = run(_compose(name, ["trainer.max_steps=3"], tmp_path), run_dir=tmp_path)
+    longer = run(
+        _compose(name, ["trainer.max_steps=3"], tmp_path, shared_answers), run_dir=tmp_path
+    )
     assert longer.step == 3
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert max(x.get("step", 0) for x in lines) == 3
@@ -72,6 +89,6 @@ def test_experiment_runs_two_steps_saves_and_resumes(name, tmp_path):
     stats = json.loads((tmp_path / "data_stats.json").read_text())
     assert stats["train"]["examples"] > 0 and stats["train"]["loss_tokens"] > 0
     if "_llama" in name:  # trained on the target's own answers, features from disk
-        assert len((tmp_path / "sd" / "sd.jsonl").read_text().splitlines()) == 12
+        assert len((shared_answers / "sd.jsonl").read_text().splitlines()) == 12
         if cfg.data.features == "disk":
             assert list((tmp_path / "features").glob("*/index.json"))
