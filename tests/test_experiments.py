@@ -6,13 +6,14 @@ data cut to a few short conversations so the two steps take seconds.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 
 import heads
 from heads.target import load_target
@@ -50,13 +51,20 @@ def _compose(
             "data.self_distill.prompts=[{path: data/corpora/oa_prompts_en/prompts.jsonl, "
             "skip: 16, max_rows: 12}]",
             "data.self_distill.max_new_tokens=12",
-            f"data.self_distill.out={answers or tmp_path / 'sd'}/sd.jsonl",
+            f"data.self_distill.out={tmp_path}/sd/sd.jsonl",
             f"data.feature_cache={tmp_path}/features",
             *extra,
         ]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=[f"+experiment={name}", *SMALL, *extra])
     with open_dict(cfg):
+        if answers is not None and "_llama" in name and cfg.data.get("self_distill"):
+            # experiments whose answers are made alike share one file (one per settings)
+            settings = OmegaConf.to_container(cfg.data.self_distill, resolve=True)
+            settings.pop("out", None)
+            text = json.dumps([settings, cfg.model.name_or_path], sort_keys=True, default=str)
+            key = hashlib.sha1(text.encode()).hexdigest()[:10]
+            cfg.data.self_distill.out = str(answers / key / "sd.jsonl")
         for evaluator in cfg.get("evaluators") or []:  # the checkpoint-tau evaluator still runs,
             evaluator.limit, evaluator.max_new_tokens = 1, 8  # on one short prompt
     return cfg
@@ -89,6 +97,6 @@ def test_experiment_runs_two_steps_saves_and_resumes(name, tmp_path, shared_answ
     stats = json.loads((tmp_path / "data_stats.json").read_text())
     assert stats["train"]["examples"] > 0 and stats["train"]["loss_tokens"] > 0
     if "_llama" in name:  # trained on the target's own answers, features from disk
-        assert len((shared_answers / "sd.jsonl").read_text().splitlines()) == 12
+        assert len(Path(cfg.data.self_distill.out).read_text().splitlines()) == 12
         if cfg.data.features == "disk":
             assert list((tmp_path / "features").glob("*/index.json"))
