@@ -34,6 +34,7 @@ BASELINE_NAMES = {
     "plain": "plain",
     "hf_generate": "HF generate",
     "llama_cpp_plain": "llama.cpp plain",
+    "openvino_plain": "OpenVINO plain",
 }
 OVERRIDES = ("method", "tree", "target", "benchmark")
 
@@ -166,6 +167,8 @@ def _method(meta: dict, key: str) -> str:
         return meta.get("head_method", "head")
     if key == "llama_cpp_draft":
         return f"{meta.get('head_method', 'draft')} in llama.cpp"
+    if key == "openvino_draft":
+        return f"{meta.get('head_method', 'draft')} in OpenVINO GenAI"
     return {"hf_prompt_lookup": "prompt lookup (HF)", "llama_cpp_ngram": "n-gram (llama.cpp)"}.get(
         key, key
     )
@@ -176,6 +179,9 @@ def _target(meta: dict, key: str) -> str | None:
         gguf = meta.get("llama_cpp", {}).get("target_gguf", "")
         m = re.search(r"[.-](q\d+_\w+|bf16|f16|f32)\.gguf$", gguf, re.IGNORECASE)
         return f"{m.group(1).upper()} GGUF" if m else None
+    if key.startswith("openvino_"):
+        weights = meta.get("openvino", {}).get("weights")
+        return f"{weights.upper()} IR" if weights else "OpenVINO IR"
     dtype = meta.get("target_dtype")
     return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
 
