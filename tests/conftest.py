@@ -6,7 +6,6 @@ Everything is built in-process with fixed seeds: no downloads, seconds to run.
 from __future__ import annotations
 
 import os
-import string
 
 import pytest
 import torch
@@ -22,30 +21,15 @@ CHATML = (
     "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-SPECIALS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
 TINY_VOCAB = 256
 
 
 def make_tokenizer(chat_template: str | None = CHATML):
-    """A character-level fast tokenizer with ChatML specials (ids: pad 0, unk 1, start 2, end 3)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """A character-level fast tokenizer with ChatML specials (ids: pad 0, unk 1, start 2, end 3);
+    the same one the GPU check saves (eval.bench.gpu_check.build_char_tokenizer)."""
+    from eval.bench.gpu_check import build_char_tokenizer
 
-    chars = list(string.ascii_letters + string.digits + string.punctuation + " \n")
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        unk_token="<unk>",
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-    )
-    fast.chat_template = chat_template
-    return fast
+    return build_char_tokenizer(chat_template)
 
 
 def make_llama(seed: int = 0, hidden: int = 64, layers: int = 2, vocab: int = TINY_VOCAB):

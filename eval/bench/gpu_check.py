@@ -58,10 +58,9 @@ def environment(out_dir: str | Path) -> dict:
     return info
 
 
-def char_tokenizer(folder: str | Path):
-    """Save (and return) a character-level fast tokenizer with ChatML specials, as
-    tests/conftest.py builds it: no files or downloads (the embedded SmolLM2 tokenizer may be
-    absent on a GPU machine)."""
+def build_char_tokenizer(chat_template: str | None = CHATML):
+    """A character-level fast tokenizer with ChatML specials (ids: pad 0, unk 1, start 2, end
+    3): no files or downloads. The tests' tiny models use it too (tests/conftest.py)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -79,7 +78,14 @@ def char_tokenizer(folder: str | Path):
         eos_token="<|im_end|>",
         additional_special_tokens=["<|im_start|>", "<|im_end|>"],
     )
-    fast.chat_template = CHATML
+    fast.chat_template = chat_template
+    return fast
+
+
+def char_tokenizer(folder: str | Path):
+    """Save (and return) build_char_tokenizer() in `folder` (the embedded SmolLM2 tokenizer may be
+    absent on a GPU machine)."""
+    fast = build_char_tokenizer()
     fast.save_pretrained(folder)
     return fast
 
