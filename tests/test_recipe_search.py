@@ -266,6 +266,8 @@ def test_a_screening_round_trains_only_and_keeps_measured_tau(tmp_path):
     cfg = _cfg(tmp_path, "{baseline: []}", cpu_s_per_step=2.0)
     recipes.run_search(cfg, FakeRuns())
     measured = load_json(cfg.results_file)["points"]["baseline-15m-s0"]["tau_chain3"]
+    bench_meta = load_json(cfg.results_file)["meta"]
+    assert bench_meta["turns"] == cfg.turns > 0
     screen = _cfg(tmp_path, "{baseline: [], noise: [head.feature_noise=0.2]}", cpu_s_per_step=2.0,
                   turns=0)  # fmt: skip
     assert screen.screening and not cfg.screening
@@ -275,6 +277,8 @@ def test_a_screening_round_trains_only_and_keeps_measured_tau(tmp_path):
     points = load_json(screen.results_file)["points"]
     assert points["baseline-15m-s0"]["tau_chain3"] == measured
     assert "tau_chain3" not in points["noise-15m-s0"] and points["noise-15m-s0"]["val_top1"]
+    # the header still names the bench the measured tau came from, not the screening's turns=0
+    assert load_json(screen.results_file)["meta"] == bench_meta
     with pytest.raises(ConfigError, match="0: held-out only"):
         _cfg(tmp_path, turns=-16)
 

@@ -366,6 +366,19 @@ def search_meta(cfg: SearchConfig, split: dict) -> dict:
     }  # fmt: skip
 
 
+BENCH_META = ("threads", "bench", "turns", "max_new_tokens")
+
+
+def merged_meta(cfg: SearchConfig, split: dict, results: dict) -> dict:
+    """The results' meta for this invocation. A screening round decodes nothing, so it keeps the
+    bench settings a measured round wrote (the report's header names the bench its tau came
+    from); a measured round writes its own."""
+    meta, old = search_meta(cfg, split), results.get("meta", {})
+    if cfg.screening and old.get("turns"):
+        meta.update({k: old[k] for k in BENCH_META if k in old})
+    return meta
+
+
 def run_search(cfg: SearchConfig, runner: Runner = call) -> list[str]:
     """Run every point of the plan that is not done, skipping those another invocation holds;
     re-render the report after each. Returns the keys of points with greedy mismatches."""
@@ -374,7 +387,7 @@ def run_search(cfg: SearchConfig, runner: Runner = call) -> list[str]:
     split = split_data(cfg)
     if split["val_rows"] < 40:
         print(f"note: a held-out set of {split['val_rows']} conversations (aim: >= 40)")
-    update_json(cfg.results_file, lambda d: d.__setitem__("meta", search_meta(cfg, split)))
+    update_json(cfg.results_file, lambda d: d.__setitem__("meta", merged_meta(cfg, split, d)))
     flagged, ran = [], []
 
     def counted(cmd: list[str], env: dict, log: Path) -> None:
