@@ -135,7 +135,56 @@ def test_rows_say_where_they_come_from():
     for row in rows:
         assert row.run in ids and re.fullmatch(r"\d{4}-\d\d-\d\d", row.date)
         assert (ROOT / "docs" / row.report).is_file()
-        assert re.fullmatch(r"\d+\.\d\dx vs .+|no baseline in this run", row.speedup)
+        assert re.fullmatch(
+            r"\d+\.\d\dx vs [^;]+(; \d+\.\d\dx vs fastest plain \(\w+\))?"
+            r"|no baseline in this run",
+            row.speedup,
+        )
+
+
+def _typed_run(docs: Path) -> None:
+    """A run with two llama.cpp target types (eval/bench/llama_cpp_targets.py's names)."""
+
+    def method(tps, vs_plain, vs_fastest, baseline=None, depth=3):
+        overall = {"tau": 1.5 if depth else 1.0, "requests": 8, "tokens_per_s": tps,
+                   "speedup_vs_plain": vs_plain, "speedup_vs_fastest_plain": vs_fastest,
+                   "baseline_mismatches": 0, "greedy_mismatches": 0}  # fmt: skip
+        return {"overall": overall, "max_draft_depth": depth, "baseline": baseline}
+
+    summary = {
+        "meta": {"bench": {"name": "mt_bench", "max_new_tokens": 64}, "threads": 1,
+                 "head_method": "eagle3",
+                 "llama_cpp": {"draft_n_max": 3, "resolved_types": {"q4_0": "q4_0", "auto": "q4_1"},
+                               "target_gguf": {"q4_0": "/c/t-q4_0.gguf", "auto": "/c/t.gguf"}},
+                 "fastest_plain": {"method": "llama_cpp_plain@q4_0", "type": "q4_0",
+                                   "tokens_per_s": 60.0}},
+        "methods": {
+            "llama_cpp_plain@q4_0": method(60.0, None, 1.0, depth=0),
+            "llama_cpp_plain@auto": method(40.0, None, 40 / 60, depth=0),
+            "llama_cpp_draft@q4_0": method(30.0, 0.5, 0.5, "llama_cpp_plain@q4_0"),
+            "llama_cpp_draft@auto": method(20.0, 0.5, 20 / 60, "llama_cpp_plain@auto"),
+        },
+    }  # fmt: skip
+    (docs / "typed").mkdir(parents=True)
+    (docs / "typed" / "summary.json").write_text(json.dumps(summary))
+    rows = {k: {"recipe": "r"} for k in ("llama_cpp_draft@q4_0", "llama_cpp_draft@auto")}
+    run = {"numbers": "summary.json", "date": "2026-12-02", "machine": "m", "command": "c",
+           "rows": rows}  # fmt: skip
+    (docs / "typed" / "source.json").write_text(json.dumps({"runs": [run]}))
+
+
+def test_a_run_of_several_target_types_names_each_and_the_fastest_plain(tmp_path):
+    _typed_run(tmp_path / "docs")
+    _, rows = results_table.load(tmp_path)
+    by_target = {row.target: row for row in rows}
+    assert set(by_target) == {"Q4_0 GGUF", "Q4_1 GGUF"}  # the plain methods are baselines
+    assert {row.method for row in rows} == {"eagle3 in llama.cpp"}
+    assert {row.tree for row in rows} == {"chain of 3"}
+    # the fastest plain type is its own baseline: no second number; another type names it
+    assert by_target["Q4_0 GGUF"].speedup == "0.50x vs llama.cpp plain"
+    assert (
+        by_target["Q4_1 GGUF"].speedup == "0.50x vs llama.cpp plain; 0.33x vs fastest plain (Q4_0)"
+    )
 
 
 # ---- links and length -----------------------------------------------------------------------

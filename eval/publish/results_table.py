@@ -39,6 +39,14 @@ BASELINE_NAMES = {
 OVERRIDES = ("method", "tree", "target", "benchmark")
 
 
+def split_name(key: str) -> tuple[str, str]:
+    """`llama_cpp_draft@q4_0` -> (`llama_cpp_draft`, `q4_0`): a run with several llama.cpp target
+    types names each method after its type (eval/bench/llama_cpp_targets.py, which the
+    publishing step may not import)."""
+    base, _, label = key.partition("@")
+    return base, label
+
+
 @dataclass(frozen=True)
 class Row:
     """One drafting method of one benchmark run, as the tables show it."""
@@ -141,6 +149,7 @@ def _benchmark(meta: dict, entry: dict) -> str:
 
 
 def _tree(meta: dict, key: str, entry: dict) -> str:
+    key = split_name(key)[0]
     if key.startswith("llama_cpp_"):
         cpp = meta.get("llama_cpp", {})
         if key == "llama_cpp_ngram":
@@ -160,6 +169,7 @@ def _tree(meta: dict, key: str, entry: dict) -> str:
 
 
 def _method(meta: dict, key: str) -> str:
+    key = split_name(key)[0]  # llama_cpp_draft@q4_0: one target type of several in the run
     spec = meta.get("heads", {}).get(key)
     if spec is not None:
         return spec["method"]
@@ -176,7 +186,12 @@ def _method(meta: dict, key: str) -> str:
 
 def _target(meta: dict, key: str) -> str | None:
     if key.startswith("llama_cpp_"):
-        gguf = meta.get("llama_cpp", {}).get("target_gguf", "")
+        settings, label = meta.get("llama_cpp", {}), split_name(key)[1]
+        gguf_type = (settings.get("resolved_types") or {}).get(label)
+        if gguf_type:
+            return f"{gguf_type.upper()} GGUF"
+        gguf = settings.get("target_gguf", "")
+        gguf = gguf.get(label, "") if isinstance(gguf, dict) else gguf
         m = re.search(r"[.-](q\d+_\w+|bf16|f16|f32)\.gguf$", gguf, re.IGNORECASE)
         return f"{m.group(1).upper()} GGUF" if m else None
     if key.startswith("openvino_"):
@@ -186,10 +201,18 @@ def _target(meta: dict, key: str) -> str | None:
     return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
 
 
-def _speedup(entry: dict) -> str:
+def _speedup(meta: dict, entry: dict) -> str:
+    """Against the method's own baseline; a llama.cpp method of a run with several target types
+    also against the fastest plain type of that run, when that is another one."""
     overall, base = entry["overall"], entry.get("baseline") or "plain"
     if overall.get("speedup_vs_plain") is not None:
-        return f"{overall['speedup_vs_plain']:.2f}x vs {BASELINE_NAMES.get(base, base)}"
+        name = BASELINE_NAMES.get(split_name(base)[0], base)
+        text = f"{overall['speedup_vs_plain']:.2f}x vs {name}"
+        fastest, vs_fastest = meta.get("fastest_plain"), overall.get("speedup_vs_fastest_plain")
+        if fastest and vs_fastest is not None and fastest["method"] != base:
+            kind = (fastest.get("type") or split_name(fastest["method"])[1]).upper()
+            text += f"; {vs_fastest:.2f}x vs fastest plain ({kind})"
+        return text
     if overall.get("speedup_vs_hf_generate") is not None:
         return f"{overall['speedup_vs_hf_generate']:.2f}x vs HF generate"
     return "no baseline in this run"
@@ -211,7 +234,7 @@ def _changed(key: str, overall: dict) -> str:
 def _rows_of_run(run: Run, summary: dict, specs: dict, where: Path) -> list[Row]:
     meta, rows = summary["meta"], []
     for key, entry in summary["methods"].items():
-        if entry.get("max_draft_depth", 0) == 0 and key in BASELINE_NAMES:
+        if entry.get("max_draft_depth", 0) == 0 and split_name(key)[0] in BASELINE_NAMES:
             continue
         spec = specs.get(key)
         if spec is None:
@@ -240,7 +263,7 @@ def _rows_of_run(run: Run, summary: dict, specs: dict, where: Path) -> list[Row]
                 new_tokens=meta.get("bench", {}).get("max_new_tokens"),
                 tau=entry["overall"]["tau"],
                 tokens_per_s=entry["overall"].get("tokens_per_s"),
-                speedup=_speedup(entry),
+                speedup=_speedup(meta, entry),
                 changed=_changed(key, entry["overall"]),
                 machine=machine,
                 date=run.date,
