@@ -3,6 +3,7 @@ tokens), kept for later epochs, and the CPU bf16 training step."""
 
 from __future__ import annotations
 
+import signal
 from functools import partial
 
 import pytest
@@ -94,8 +95,20 @@ def test_example_targets_are_derived_once_and_kept():
     assert with_example_targets(None, head) is None
 
 
+@pytest.fixture
+def sigchld_restored():
+    """torch's DataLoader, on its first worker, installs a Python SIGCHLD handler and keeps it for
+    the rest of the process. In one test process with OpenVINO loaded later (test_openvino.py),
+    the next child to exit killed the whole run: a SIGSEGV from the kernel (si_code SI_KERNEL,
+    the main thread in waitpid) while delivering that handler, CI's exit 139. Without either the
+    handler or OpenVINO it does not happen, so this test gives the old disposition back."""
+    before = signal.getsignal(signal.SIGCHLD)
+    yield
+    signal.signal(signal.SIGCHLD, before)
+
+
 @pytest.mark.parametrize("device, derived", [("cpu", True), ("meta", False)])
-def test_dataloader_workers_derive_only_for_a_cpu_head(device, derived):
+def test_dataloader_workers_derive_only_for_a_cpu_head(device, derived, sigchld_restored):
     """A forked worker must not touch an accelerator (here "meta" stands in for one): it leaves
     the tokens to the loss, which computes them per batch on the head's device."""
     examples = make_examples([5, 7, 4, 6])

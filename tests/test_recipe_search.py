@@ -313,8 +313,7 @@ def test_results_merge_point_by_point_across_processes(tmp_path):
     recipes.record(path, "a", {"tau_chain3": 1.5})
     recipes.record(path, "a", {"tau_dynamic": 1.7})  # a later evaluation keeps the earlier keys
     assert load_json(path)["points"]["a"] == {"tau_chain3": 1.5, "tau_dynamic": 1.7}
-    # spawn, not fork: by now the test process holds torch's, OpenVINO's and llama.cpp clients'
-    # threads, and forking a threaded process crashed CI once (exit 139 in this test)
+    # spawn, not fork: by now the test process holds torch's and OpenVINO's threads
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_record_many, args=(str(path), w)) for w in range(4)]
     for p in procs:
