@@ -1,9 +1,9 @@
 """What speculative chain decoding drafted, round by round, for eval/analysis/acceptance_gap.py.
 
-`ChainRecorder` wraps the harness's proposer (eval/engine/drafting.py `make_proposer`) and records, per
-verification round, the root position and the drafted chain; `decode_stats` reads acceptance per
-depth off those rounds and checks them against the training-time-test unroll of the decoded
-sequence at the same rows (a mismatch would be a train/decode difference).
+`ChainRecorder` wraps the harness's proposer (eval/engine/drafting.py `make_proposer`) and
+records, per verification round, the root position and the drafted chain; `decode_stats` reads
+acceptance per depth off those rounds and checks them against the training-time-test unroll of
+the decoded sequence at the same rows (a mismatch would be a train/decode difference).
 """
 
 from __future__ import annotations
