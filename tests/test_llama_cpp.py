@@ -65,6 +65,31 @@ def test_config_refuses_bad_settings(tmp_path):
         ServerConfig(model=str(model), spec_type="draft-eagle3")
 
 
+def test_draft_threads_reach_the_draft_model_alone(tmp_path):
+    """llama_cpp.draft_threads sets the draft model's -td/-tbd and leaves the target's -t/-tb;
+    unset, the draft runs at the target's threads."""
+    from eval.bench.llama_cpp import LlamaCppSettings, _server_config
+
+    model, draft = tmp_path / "m.gguf", tmp_path / "d.gguf"
+    model.write_bytes(b"x")
+    draft.write_bytes(b"x")
+
+    def flags(cfg):
+        args = cfg.args(8080)
+        return {f: args[args.index(f) + 1] for f in ("-t", "-tb", "-td", "-tbd")}
+
+    settings = LlamaCppSettings(
+        target_gguf=str(model), draft_gguf=str(draft), spec_type="draft-eagle3", threads=2
+    )
+    same = _server_config("llama_cpp_draft", str(model), settings)
+    assert flags(same) == {"-t": "2", "-tb": "2", "-td": "2", "-tbd": "2"}
+    settings.draft_threads = 1
+    one = _server_config("llama_cpp_draft", str(model), settings)
+    assert flags(one) == {"-t": "2", "-tb": "2", "-td": "1", "-tbd": "1"}
+    with pytest.raises(EngineError, match="draft_threads=0"):
+        ServerConfig(model=str(model), draft=str(draft), spec_type="draft-eagle3", draft_threads=0)
+
+
 def test_a_target_gguf_setting_names_the_own_file_a_conversion_or_a_path(tmp_path):
     """data.self_distill.gguf, evaluate's llama_cpp.target_gguf and export's --target-outtype
     share one reading (TargetGGUF.parse): unset or "auto" is the target's own file, an outtype

@@ -129,6 +129,9 @@ class ServerConfig:
     draft_n_min: int = 0
     draft_p_min: float = 0.0
     threads: int = 2
+    # the draft model's threads (-td/-tbd); None: `threads`. A one-layer draft decodes one token
+    # a pass, where fewer threads can cost less than the synchronisation of more
+    draft_threads: int | None = None
     parallel: int = 1
     ctx_size: int = 4096
     # KV cache element type (llama.cpp's default f16 rounds keys and values; f32 for runs that
@@ -159,6 +162,10 @@ class ServerConfig:
             raise EngineError("a draft GGUF was given without spec_type (e.g. draft-eagle3).")
         if self.parallel < 1 or self.threads < 1:
             raise EngineError("threads and parallel must be at least 1.")
+        if self.draft_threads is not None and self.draft_threads < 1:
+            raise EngineError(
+                f"draft_threads={self.draft_threads}: use 1 or more, or None for `threads`."
+            )
 
     def args(self, port: int) -> list[str]:
         args = ["-m", self.model, "--host", "127.0.0.1", "--port", str(port)]
@@ -172,7 +179,8 @@ class ServerConfig:
             args += ["--spec-draft-n-min", str(self.draft_n_min)]
             args += ["--spec-draft-p-min", str(self.draft_p_min)]
         if self.draft:
-            args += ["-md", self.draft, "-td", str(self.threads), "-tbd", str(self.threads)]
+            td = str(self.draft_threads or self.threads)
+            args += ["-md", self.draft, "-td", td, "-tbd", td]
             args += ["-ctkd", self.cache_type, "-ctvd", self.cache_type]
         if self.verbosity is not None:
             args += ["-lv", str(self.verbosity)]

@@ -49,6 +49,7 @@ class LlamaCppSettings:
     draft_p_min: float = 0.0
     ngram_n_max: int = 8
     threads: int = 2
+    draft_threads: int | None = None  # the draft's threads; null: `threads`
     ctx_size: int = 4096
     cache_type: str = "f16"  # f32 with flash_attn=off: token-faithful runs (see ServerConfig)
     flash_attn: str = "auto"
@@ -195,6 +196,7 @@ def _server_config(name: str, model: str, settings: LlamaCppSettings) -> ServerC
             draft_n_max=settings.draft_n_max,
             draft_n_min=settings.draft_n_min,
             draft_p_min=settings.draft_p_min,
+            draft_threads=settings.draft_threads,
             verbosity=4,
         )
     if name == "llama_cpp_ngram":
