@@ -68,6 +68,23 @@ def test_plan_crosses_variants_budgets_and_seeds_with_stable_keys(tmp_path):
     assert parse_variants("{x: [trainer.optimizer=muon]}")["x"].digest == variant.digest
 
 
+def test_a_changed_experiment_changes_the_digest_and_comments_do_not(tmp_path, monkeypatch):
+    """A variant with the same overrides trains something else once its experiment's settings
+    change (eagle3_llama's lr moved from 5e-4 to 1e-3): its old points must not be reused."""
+    from eval.studies import variants as vmod
+
+    monkeypatch.setattr(vmod, "EXPERIMENTS", tmp_path)
+    exp = tmp_path / "mine.yaml"
+    exp.write_text("# @package _global_\ntrainer:\n  lr: 5e-4\n")
+    first = parse_variants("{b: [trainer.mixed_precision=no]}", experiment="mine")["b"].digest
+    exp.write_text("# @package _global_\n# a new comment\ntrainer: {lr: 5e-4}\n")
+    same = parse_variants("{b: [trainer.mixed_precision=no]}", experiment="mine")["b"].digest
+    exp.write_text("# @package _global_\ntrainer:\n  lr: 1e-3\n")
+    moved = parse_variants("{b: [trainer.mixed_precision=no]}", experiment="mine")["b"].digest
+    assert first == same != moved
+    assert vmod.experiment_settings("nowhere", tmp_path) == ""
+
+
 def test_variants_from_a_file_with_a_base_and_common_overrides(tmp_path):
     spec = tmp_path / "v.json"
     spec.write_text(

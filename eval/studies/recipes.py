@@ -252,8 +252,9 @@ def point_steps(cfg: SearchConfig, point: Point, files: dict, runner: Runner) ->
         known = update_json(path, lambda doc: doc.setdefault(key, entry))[key]
     if known["digest"] != point.variant.digest:
         raise DraftsmithError(
-            f"variant {point.variant.name} changed since {path} fixed its steps: give the "
-            f"changed variant a new name (or delete the {key} entry and OUT/points/{point.key})."
+            f"variant {point.variant.name} (its overrides or its experiment's settings) changed "
+            f"since {path} fixed its steps: give the changed variant a new name (or delete the "
+            f"{key} entry and OUT/points/{point.key})."
         )
     return known
 
@@ -336,8 +337,9 @@ def _point_state(path: Path, digest: str, steps: int) -> dict:
     if state and (state["digest"], state["steps"]) != (digest, steps):
         raise DraftsmithError(
             f"{path.with_suffix('')} was started with other settings (variant digest "
-            f"{state['digest']}, {state['steps']} steps): rename the variant, or delete that "
-            "folder and its .json to start the point again."
+            f"{state['digest']}, {state['steps']} steps; the variant's overrides or its "
+            "experiment's settings changed): rename the variant, or delete that folder and its "
+            ".json to start the point again."
         )
     if not state:
         state = update_json(path, lambda d: d.update(digest=digest, steps=steps))

@@ -24,6 +24,19 @@ RESERVED = {
     "data.sources", "data.val_sources", "data.self_distill.enabled",
 }  # fmt: skip
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+EXPERIMENTS = Path(__file__).resolve().parents[2] / "conf" / "experiment"
+
+
+def experiment_settings(name: str, folder: Path | None = None) -> str:
+    """An experiment file's settings as parsed (comments and layout do not count), as text; ""
+    when there is no such file. Part of a variant's digest: a variant named for its overrides
+    trains something else once its base experiment changes (a new default lr, say)."""
+    import yaml
+
+    path = (folder or EXPERIMENTS) / f"{name}.yaml"
+    if not path.is_file():
+        return ""
+    return json.dumps(yaml.safe_load(path.read_text()), sort_keys=True, default=str)
 
 
 @dataclass(frozen=True)
@@ -39,8 +52,10 @@ class Variant:
 
     @property
     def digest(self) -> str:
-        """What the variant trains, hashed: a changed variant must not reuse old points."""
-        text = json.dumps([self.experiment, list(self.overrides)])
+        """What the variant trains, hashed: a changed variant, or one whose base experiment
+        changed, must not reuse old points."""
+        base = experiment_settings(self.experiment)
+        text = json.dumps([self.experiment, list(self.overrides), base])
         return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
