@@ -157,6 +157,34 @@ def test_the_trainer_derives_eagle3_targets_and_trains_on_them(tmp_path):
     assert plain.train_dataset is features
 
 
+def test_training_with_loader_workers_gives_sigchld_back(tmp_path, monkeypatch):
+    """Trainer.fit with num_workers > 0 leaves the process's SIGCHLD disposition as it found it:
+    torch's worker handler, left installed, crashed a later OpenVINO user of the process."""
+    from torch.utils.data._utils import signal_handling
+
+    monkeypatch.setattr(signal_handling, "_SIGCHLD_handler_set", False)  # as in a fresh process
+    before = signal.getsignal(signal.SIGCHLD)
+    try:
+        target = fresh_target()
+        examples = make_examples([10, 12, 8, 14])
+        head = build("medusa", target, examples).train()
+        features = with_features(head, target, examples)
+        installed = []
+        real_set = signal_handling._set_SIGCHLD_handler
+
+        def spy():
+            real_set()
+            installed.append(signal.getsignal(signal.SIGCHLD))
+
+        monkeypatch.setattr(signal_handling, "_set_SIGCHLD_handler", spy)
+        result = trainer(head, target, features, tmp_path, num_workers=1).fit()
+        assert result.step == 3
+        assert installed and installed[0] is not before  # torch did install its own
+        assert signal.getsignal(signal.SIGCHLD) is before
+    finally:
+        signal.signal(signal.SIGCHLD, before)
+
+
 def test_bf16_mixed_precision_trains_under_cpu_autocast(tmp_path):
     target = fresh_target()
     examples = make_examples([10, 12, 8, 14])

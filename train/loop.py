@@ -47,7 +47,7 @@ from train.config import TrainerConfig
 from train.features import batch_features, with_example_targets
 from train.optim import build_optimizer, build_scheduler, trainable_parameters
 from train.rundir import check_kept_head, write_run_config
-from train.sampling import count_steps, epoch_batches, make_loader
+from train.sampling import count_steps, epoch_batches, make_loader, sigchld_kept
 from train.selection import BestKeeper, Evaluator, run_evaluators
 from train.tracking import Tracker
 from train.validation import TrainWindow, add_stats, evaluate_head
@@ -159,7 +159,12 @@ class Trainer:
     # ---- the run -----------------------------------------------------------------------
 
     def fit(self) -> TrainResult:
-        """Train to `total_steps` (resuming if configured), validate, save the final head."""
+        """Train to `total_steps` (resuming if configured), validate, save the final head; the
+        process's SIGCHLD disposition afterwards is the one it had (train.sampling.sigchld_kept)."""
+        with sigchld_kept():
+            return self._fit()
+
+    def _fit(self) -> TrainResult:
         started = time.perf_counter()
         resumed = self.resume()
         cfg, acc, state = self.cfg, self.acc, self.state
@@ -187,6 +192,7 @@ class Trainer:
             stopped = self._should_stop()
             if (cfg.save_every and state.step % cfg.save_every == 0) or stopped:
                 checkpoint = self.save_checkpoint()
+        stream.close()  # its last loader's workers, if any, end here
         if window.micro_batches:
             self._log_train(window, bar)
         bar.close()

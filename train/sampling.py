@@ -9,7 +9,10 @@ process runs the same number of steps (DDP needs that).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -50,6 +53,25 @@ def eval_batches(
     """
     mine = list(range(rank, num_examples, world_size))
     return [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
+
+
+@contextmanager
+def sigchld_kept() -> Iterator[None]:
+    """Give back the SIGCHLD disposition a block started with. torch's DataLoader installs, at its
+    first worker, a Python SIGCHLD handler that stays for the life of the process; once OpenVINO
+    is loaded into that process, delivering it when any child exits killed the process (a kernel
+    SIGSEGV, exit 139: CI, 2026-12-02). Training with `num_workers` > 0 and then serving in one
+    interpreter (a notebook, a script) must not inherit that. torch installs it once per process,
+    so later loaders rely on their own liveness checks instead."""
+    main = threading.current_thread() is threading.main_thread()
+    if not (main and hasattr(signal, "SIGCHLD")):
+        yield
+        return
+    before = signal.getsignal(signal.SIGCHLD)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGCHLD, before)
 
 
 def make_loader(
