@@ -25,8 +25,8 @@ from torch import Tensor
 
 from data.engines.llama_cpp import Completion, EngineError, LlamaServer, ServerConfig
 from data.errors import ConfigError
-from eval.bench.llama_cpp_targets import typed_name
 from eval.bench.methods import Record
+from eval.engine.method_names import typed_name
 from heads.interop.gguf import gguf_source_format, spec_type_of_gguf
 
 LLAMA_CPP_METHODS = ("llama_cpp_plain", "llama_cpp_draft", "llama_cpp_ngram")

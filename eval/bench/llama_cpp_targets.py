@@ -17,23 +17,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eval.engine.method_names import split_name
+
 PLAIN = "llama_cpp_plain"
-SEP = "@"
 DEFINITION = (
     "llama.cpp methods: tokens_per_s of the method / tokens_per_s of the fastest plain llama.cpp "
     "type measured in the same run on the same requests (meta.fastest_plain names it); with one "
     "target type it is that type's `llama_cpp_plain`."
 )
-
-
-def typed_name(name: str, label: str) -> str:
-    """`llama_cpp_draft` of target entry `label` (no label: one target, the plain name)."""
-    return f"{name}{SEP}{label}" if label else name
-
-
-def split_name(name: str) -> tuple[str, str]:
-    base, _, label = name.partition(SEP)
-    return base, label
 
 
 def _label(choice: str) -> str:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from data.errors import DraftsmithError
 from data.paths import atomic_write
+from eval.engine.method_names import split_name
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 RESULTS_MD = Path("docs/results.md")
@@ -37,14 +38,6 @@ BASELINE_NAMES = {
     "openvino_plain": "OpenVINO plain",
 }
 OVERRIDES = ("method", "tree", "target", "benchmark")
-
-
-def split_name(key: str) -> tuple[str, str]:
-    """`llama_cpp_draft@q4_0` -> (`llama_cpp_draft`, `q4_0`): a run with several llama.cpp target
-    types names each method after its type (eval/bench/llama_cpp_targets.py, which the
-    publishing step may not import)."""
-    base, _, label = key.partition("@")
-    return base, label
 
 
 @dataclass(frozen=True)
