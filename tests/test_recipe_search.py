@@ -489,3 +489,25 @@ def test_one_point_end_to_end_on_the_tiny_experiment(tmp_path):
     assert point["train_process_cpu_min"] >= point["cpu_min"]
     assert (cfg.out / "points" / "baseline-0.05m-s0" / "head").is_dir()
     assert "| baseline | 0 | 3 |" in (tmp_path / "docs" / "recipes.md").read_text()
+
+
+def test_screening_points_are_compared_by_their_estimate_across_seeds(tmp_path):
+    """Screening rounds (--turns 0) measure no MT-bench tau: the seed table compares their
+    held-out chain-3 estimates, with the noise taken from the seeds' own ranges."""
+    est = {("baseline", 0): 1.247, ("baseline", 1): 1.235, ("lr", 0): 1.272, ("lr", 1): 1.276,
+           ("vocab", 0): 1.244}  # fmt: skip
+    points = {}
+    for (variant, seed), value in est.items():
+        p = _fake_point(variant, seed, 15, None, None, 10.0)
+        p["val_chain_tau_est"] = value
+        points[f"{variant}-15m-s{seed}"] = p
+    meta = {"data": "sd.jsonl", "sha1": "ab" * 20, "rows": 360, "val_rows": 44,
+            "train_rows": 316, "split_seed": 0, "threads": 1, "bench": "mt_bench-0t-128n",
+            "turns": 0, "max_new_tokens": 128, "baseline": "baseline"}  # fmt: skip
+    text = render({"meta": meta, "points": points}, tmp_path / "recipes").read_text()
+    assert "estimate 0.012" in text  # the largest seed range: the baseline's
+    lr = next(line for line in text.splitlines() if line.startswith("| lr | 0, 1 |"))
+    assert "| 1.274 +- 0.002 |" in lr
+    assert lr.endswith("| +0.033 (above noise) |")
+    vocab = next(line for line in text.splitlines() if line.startswith("| vocab | 0 | - | - |"))
+    assert vocab.endswith("| +0.003 (within noise) |")
