@@ -225,18 +225,20 @@ def fmt(v, digits: int = 3) -> str:
 
 
 def plot(points: dict, path: Path) -> None:
-    """tau (chain-3, dynamic) and first-token top-1 against training CPU-minutes: one line per
-    variant through its per-budget means, each seed a dot."""
+    """MT-bench tau (chain-3, dynamic), the held-out chain-3 estimate and first-token top-1
+    against training CPU-minutes: one line per variant through its per-budget means, each seed
+    a dot; a variant keeps its colour and marker in every panel (legend: the estimate's)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.6))
     panels = [("tau_chain3", "MT-bench tau, chain of 3"), ("tau_dynamic", "MT-bench tau, dynamic "
-              "tree"), (None, "first drafted token top-1 (held-out -, train :)")]  # fmt: skip
+              "tree"), ("val_chain_tau_est", "held-out chain-3 estimate (screening rounds)"),
+              (None, "first drafted token top-1 (held-out -, train :)")]  # fmt: skip
     for i, (name, group) in enumerate(sorted(seed_groups(points).items())):
-        color = f"C{i % 10}"
+        color, marker = f"C{i % 10}", "osD^v"[(i // 10) % 5]
         by_budget = defaultdict(list)
         for p in group:
             by_budget[p["budget_cpu_min"]].append(p)
@@ -244,20 +246,21 @@ def plot(points: dict, path: Path) -> None:
         x = [mean(p["cpu_min"] for p in by_budget[b]) for b in budgets]
         for ax, (key, _) in zip(axes, panels):
             if key is None:
-                for series, style in ((first_val, "-o"), (_first_train, ":^")):
+                for series, style in ((first_val, "-"), (_first_train, ":")):
                     ys = [_mean_of(by_budget[b], series) for b in budgets]
-                    ax.plot(x, ys, style, color=color, label=name if style == "-o" else None)
+                    ax.plot(x, ys, style, marker=marker, color=color)
                 continue
             ys = [_mean_of(by_budget[b], lambda p, k=key: p.get(k)) for b in budgets]
-            ax.plot(x, ys, "-o", color=color, label=name)
+            ax.plot(x, ys, "-", marker=marker, color=color, label=name)
             dots = [(p["cpu_min"], p[key]) for p in group if p.get(key) is not None]
             if dots:
                 ax.scatter(*zip(*dots), s=12, color=color, alpha=0.5)
-    for ax, (_, title) in zip(axes, panels):
+    for ax, (key, title) in zip(axes, panels):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("training CPU-minutes")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if key == "val_chain_tau_est":
+            ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
