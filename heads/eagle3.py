@@ -29,7 +29,8 @@ fc reads (`feature_noise`, EAGLE-1's and HASS's augmentation): the draft then le
 as imperfect as its own later steps are. Two loss variants: `mask_after_miss` (GRIFFIN-style)
 trains step i only on rows whose steps 0..i-1 all predicted the target's top-1, the rows a greedy
 chain reaches (the stats `step{i}/chain_top1`, logged always, are the accuracy there: a chain's
-acceptance at each depth); `hass_topk` adds HASS's top-K distillation term.
+acceptance at each depth); `hass_topk` adds HASS's top-K distillation term. `init_from_target`
+starts the draft layer as a copy of a target layer (heads/eagle3_target.py).
 
 Loss positions: row t at step i counts when x_{t+i+2} is an assistant token and (as in
 SpecForge) the target's own greedy token there lies inside the draft vocabulary: where it does
@@ -68,6 +69,7 @@ from heads.base import (
 from heads.base import save_head as _save_head
 from heads.draft_layer import DraftCache, DraftDecoderLayer, LayerSpec, RMSNorm
 from heads.eagle import check_shapes, topk_hits
+from heads.eagle3_target import init_eagle3_from_target
 from heads.folder import load_head_tensors, load_weights, open_head, saved_tensor
 from heads.vocab import d2t_t2d, draft_to_target, frequent_ids, saved_draft_ids, target_to_draft
 
@@ -101,6 +103,9 @@ class Eagle3Config:
     # of p log q to each step's loss (HASS: K = 10, weight 1); 0 disables
     hass_topk: int = 0
     hass_weight: float = 1.0
+    # Start the draft layer as the target's layer that reads the deepest fused feature, fc as
+    # the selection of that feature (heads/eagle3_target.py); off: random weights
+    init_from_target: bool = False
 
     def __post_init__(self) -> None:
         if self.aux_layers is not None:
@@ -215,14 +220,11 @@ class Eagle3Head(nn.Module):
         config = dataclasses.replace(config, aux_layers=list(layers))
         draft_ids = frequent_ids(target, config.draft_vocab_size, token_counts, "draft_vocab_size")
         spec = LayerSpec.from_hf_config(target.model.config)
-        return cls(
-            config,
-            TargetInfo.of(target),
-            spec,
-            target.embed_tokens.weight,
-            target.lm_head.weight,
-            draft_ids,
-        )
+        head = cls(config, TargetInfo.of(target), spec, target.embed_tokens.weight,
+                   target.lm_head.weight, draft_ids)  # fmt: skip
+        if config.init_from_target:
+            init_eagle3_from_target(head, target)
+        return head
 
     # ---- drafting interface (eval/engine/eagle_proposer.py) -------------------------------------
 
@@ -483,14 +485,9 @@ class Eagle3Head(nn.Module):
         config, info = open_head(cls, path, target, doc, allow_other_target)
         tensors = load_head_tensors(path)
         draft_ids = saved_draft_ids(saved_tensor(tensors, "d2t", path))
-        head = cls(
-            config,
-            info,
-            LayerSpec.from_hf_config(target.model.config),
-            target.embed_tokens.weight,
-            target.lm_head.weight,
-            draft_ids,
-        )
+        spec = LayerSpec.from_hf_config(target.model.config)
+        head = cls(config, info, spec, target.embed_tokens.weight, target.lm_head.weight,
+                   draft_ids)  # fmt: skip
         load_weights(head, tensors, path)
         return head
 
