@@ -31,6 +31,20 @@ def sample_anchors(batch: dict[str, Tensor], num_anchors: int) -> tuple[Tensor, 
     return torch.gather(anchors, 1, order), torch.gather(valid, 1, order)
 
 
+def every_anchor(batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """Every position `sample_anchors` draws from, in order: (anchors (B, N), valid (B, N)), N
+    the most any row has; unused slots hold position 0. Validation's chain walk needs a block at
+    each of them, as decoding may query any."""
+    ids = batch["input_ids"]
+    B, T = ids.shape
+    allowed = label_mask(batch, 1) & (batch_positions(batch, T) >= 1)
+    n = max(int(allowed.sum(1).max()) if B else 0, 1)
+    t = torch.arange(T, device=ids.device).expand(B, T)
+    anchors = torch.where(allowed, t, t + T).sort(dim=1).values[:, :n]  # allowed ones first
+    valid = anchors < T
+    return torch.where(valid, anchors, torch.zeros_like(anchors)), valid
+
+
 def block_attention_mask(
     anchors: Tensor, length: int, block_size: int, segments: Tensor | None = None
 ) -> Tensor:
@@ -119,6 +133,7 @@ def slot_stats(
 __all__ = [
     "block_attention_mask",
     "block_labels",
+    "every_anchor",
     "position_weights",
     "sample_anchors",
     "slot_stats",

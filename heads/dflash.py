@@ -25,6 +25,10 @@ input, and no training-time test is needed. Labels are in place: slot k of the b
 predicts x_{a+k}, with weight exp(-(k-1)/gamma), against the data's token (`loss: ce`) or the
 target's distribution there (`loss: kd`).
 
+Validation (eval mode) also reports what greedy chain decoding would accept (`walk_stats`, the walk
+of heads/acceptance.py over a block at every anchor): `val/chain_tau_est`, the tau of a chain of
+max_draft_depth, and `val/slot{i}/top1_all` / `val/slot{i}/accept`.
+
 Drafting (eval/block_proposer.py) keeps, per draft layer, the keys/values of the committed context
 (`new_cache`, `extend_cache`); a step appends the positions the target just committed and runs the
 block against them (`draft_block`). Block keys are never stored, so only committed positions
@@ -44,11 +48,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from heads.acceptance import chain_stats
 from heads.base import (
     BlockDrafter,
     LossOutput,
     TargetInfo,
     batch_positions,
+    label_mask,
+    masked_shift,
     stat_pair,
     warm_start,
 )
@@ -57,6 +64,7 @@ from heads.block_layers import BlockCache, BlockLayer
 from heads.block_training import (
     block_attention_mask,
     block_labels,
+    every_anchor,
     position_weights,
     sample_anchors,
     slot_stats,
@@ -354,6 +362,82 @@ class DFlashHead(nn.Module):
             ]
         return F.linear(rows.to(weight.dtype), weight).float().softmax(-1)
 
+    @torch.no_grad()
+    def target_argmax(self, hidden: Tensor) -> Tensor:
+        """The target's greedy token over its full vocabulary for hidden (..., H), 1024 rows at
+        a time."""
+        weight = self.target_lm_head
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        best = [F.linear(c.to(weight.dtype), weight).argmax(-1) for c in rows.split(1024)]
+        if not best:
+            return torch.zeros(hidden.shape[:-1], dtype=torch.long, device=hidden.device)
+        return torch.cat(best).reshape(hidden.shape[:-1])
+
+    @torch.no_grad()
+    def drafted_chains(
+        self,
+        batch: dict[str, Tensor],
+        features: dict[str, Tensor],
+        anchors: Tensor,
+        valid: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """The greedy chain a block at each anchor (B, N) drafts where the tokens before each
+        slot are the data's: (tokens (B, N, K) target ids, -1 where not drafted; run (B, N, K):
+        x_{a+1} .. x_{a+i+1} are all labels of the anchor's conversation), slot i drafting
+        x_{a+i+1}, K = max_draft_depth. A DFlash slot does not see the tokens before it, so
+        this is each slot's best token."""
+        hidden = self.train_blocks(batch, features, anchors)[:, :, 1:]
+        offsets = list(range(1, self.block_size))
+        labels, run = block_labels(batch, anchors, valid, offsets, torch.ones_like(self.t2d))
+        run = run.long().cumprod(-1).bool()
+        tokens = torch.full_like(labels, -1)
+        tokens[run] = self.draft_to_target(self.logits(hidden[run]).argmax(-1))
+        return tokens, run
+
+    @torch.no_grad()
+    def every_chain(
+        self, batch: dict[str, Tensor], features: dict[str, Tensor]
+    ) -> tuple[Tensor, Tensor]:
+        """`drafted_chains` at every anchor (`num_anchors` blocks per forward), by the row
+        decoding queries for them: row t has the root x_{t+1}, the anchor of the block. Returns
+        (drafted (K, B, T) target ids, -1 where none; labels (K, B, T) bool: row t's block
+        drafted depth i+1, x_{t+2} .. x_{t+i+2} being labels)."""
+        device = self.fc.weight.device
+        B, T = batch["input_ids"].shape
+        K = self.max_draft_depth
+        drafted = torch.full((K, B, T), -1, dtype=torch.long, device=device)
+        labels = torch.zeros(K, B, T, dtype=torch.bool, device=device)
+        anchors, valid = every_anchor(batch)
+        step = self.config.num_anchors
+        for a, v in zip(anchors.split(step, dim=1), valid.split(step, dim=1)):
+            tokens, run = self.drafted_chains(batch, features, a, v)
+            rows = torch.arange(B, device=device)[:, None].expand_as(a)[v]
+            drafted[:, rows, a[v] - 1] = tokens[v].T
+            labels[:, rows, a[v] - 1] = run[v].T
+        return drafted, labels
+
+    @torch.no_grad()
+    def walk_stats(self, batch: dict[str, Tensor], features: dict[str, Tensor]) -> dict:
+        """Validation: what greedy chain decoding (a chain of max_draft_depth) would accept on
+        this batch (heads/acceptance.py), from `every_chain` against the target's greedy tokens
+        (full vocabulary, from features["hidden"]). Returns `slot{i+1}/top1_all` (a target
+        token outside the draft vocabulary is a miss), `slot{i+1}/accept` (given depths 1..i
+        right) and `chain_tau_est` (the walk's tokens over rounds) as [sum, count] pairs."""
+        device = self.fc.weight.device
+        labelled = label_mask(batch, 1)  # rows whose next token is a label
+        greedy = torch.full(labelled.shape, -1, dtype=torch.long, device=device)
+        greedy[labelled] = self.target_argmax(features["hidden"].to(device)[labelled])
+        drafted, labels = self.every_chain(batch, features)
+        want = torch.stack([masked_shift(greedy, i + 1) for i in range(len(drafted))])
+        found = chain_stats(drafted == want, labels, batch["loss_mask"], batch.get("segment_ids"))
+        out = {}
+        for key, (total, count) in found.items():
+            if key.startswith("step"):  # step i is depth i + 1: slot{i+1}, as slot_stats
+                i, name = key[len("step") :].split("/")
+                key = f"slot{int(i) + 1}/{name}"
+            out[key] = stat_pair(total, count, device)
+        return out
+
     def loss(self, batch: dict[str, Tensor], features: dict[str, Tensor]) -> LossOutput:
         device = self.fc.weight.device
         batch = {k: v.to(device) for k, v in batch.items()}
@@ -376,6 +460,8 @@ class DFlashHead(nn.Module):
             total = total + (per_slot * weights).sum() / weights.sum().clamp(min=1e-12)
         stats = slot_stats(per_slot, logits, want, ok, self.config.topk, first_slot=1)
         stats["loss"] = stat_pair(total.detach(), 1, device)
+        if not self.training:  # validation only: a block at every anchor
+            stats.update(self.walk_stats(batch, features))
         return LossOutput(total, stats)
 
     # ---- checkpoints ---------------------------------------------------------------------

@@ -24,6 +24,10 @@ weighs exp(-k / gamma) (or D-PACE weights from the CE), and the sum is divided b
 weights. Only the contiguous run of labelled slots from the anchor counts: a chain cannot step over
 a token that is not a label.
 
+Validation reports `tau_estimate` (each block's 1 + sum_k prod_{j<=k} (1 - TV_j): what speculative
+sampling at temperature 1 would accept, not greedy decoding) and, as DFlash, `chain_tau_est`: the
+tau greedy chain decoding measures on the target's own greedy text (docs/dspark_gap.md).
+
 Drafting (eval/engine/block_proposer.py) goes through `draft_chain`: one backbone forward, then the
 Markov walk (greedy or sampled, reporting the exact distribution each token was drawn from, so
 that verification stays lossless). Verification is a chain.
@@ -273,16 +277,19 @@ class DSparkHead(DFlashHead):
         features: dict[str, Tensor],
         anchors: Tensor,
         valid: Tensor,
+        in_vocab: bool = True,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """The scored slots of the blocks at `anchors` (B, N) (`valid` (B, N)), each slot's
         Markov bias taken from the data's previous token (the anchor for slot 0).
 
-        Returns (ok (B, N, Bk) bool: the slots scored, the labelled run from each anchor;
+        Returns (ok (B, N, Bk) bool: the slots scored, the labelled run from each anchor, cut
+        at the first label outside the draft vocabulary unless `in_vocab` is False;
         labels (B, N, Bk) target ids, x_{a+k+1}; logits (n, D) float and confidence logits (n,)
         (None without the confidence head) of the ok slots in order)."""
         hidden = self.train_blocks(batch, features, anchors)  # (B, N, Bk, H): every slot drafts
         offsets = list(range(1, self.block_size + 1))  # slot k predicts x_{a+k+1}
-        labels, ok = block_labels(batch, anchors, valid, offsets, self.t2d)
+        vocab = self.t2d if in_vocab else torch.ones_like(self.t2d)
+        labels, ok = block_labels(batch, anchors, valid, offsets, vocab)
         ok = ok.long().cumprod(-1).bool()  # a chain cannot step over a token that is no label
         anchor_ids = torch.gather(batch["input_ids"].to(anchors.device), 1, anchors)  # (B, N)
         prev = torch.cat([anchor_ids[..., None], labels[..., :-1]], dim=-1)  # (B, N, Bk)
@@ -291,6 +298,28 @@ class DSparkHead(DFlashHead):
         logits = self.slot_logits(rows, embedding)
         conf = None if self.confidence_head is None else self.confidence(rows, embedding)
         return ok, labels, logits, conf
+
+    @torch.no_grad()
+    def drafted_chains(
+        self,
+        batch: dict[str, Tensor],
+        features: dict[str, Tensor],
+        anchors: Tensor,
+        valid: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """The Markov walk `draft_chain` takes from each block where the tokens before each slot
+        are the data's (its own drafted ones wherever the slots before were right), cut before
+        the first slot whose confidence is below `confidence_threshold` as drafting cuts it:
+        (tokens (B, N, Bk) target ids, -1 where not drafted; run (B, N, Bk), as DFlash's)."""
+        run, labels, logits, conf = self.teacher_forced(batch, features, anchors, valid, False)
+        tokens = torch.full_like(labels, -1)
+        tokens[run] = self.draft_to_target(logits.argmax(-1))
+        threshold = self.config.confidence_threshold
+        if threshold > 0:
+            low = torch.zeros_like(run)
+            low[run] = torch.sigmoid(conf) < threshold
+            tokens[low.long().cumsum(-1) > 0] = -1  # this slot and every later one are cut
+        return tokens, run
 
     def loss(self, batch: dict[str, Tensor], features: dict[str, Tensor]) -> LossOutput:
         device = self.fc.weight.device
@@ -314,6 +343,8 @@ class DSparkHead(DFlashHead):
         stats = slot_stats(per_slot, logits, want, ok, cfg.topk, first_slot=1)  # by depth
         stats.update(_term_stats(terms, ok, device))
         stats["loss"] = stat_pair(total.detach(), 1, device)
+        if not self.training:  # validation only: a block at every anchor
+            stats.update(self.walk_stats(batch, features))
         return LossOutput(total, stats)
 
 
@@ -346,7 +377,13 @@ def dspark_terms(
 
 def _term_stats(terms: SlotTerms, ok: Tensor, device) -> dict[str, Tensor]:
     """Means of the terms over scored slots, and each block's expected accept length under its
-    own estimate (1 + sum_k prod_{j<=k} (1 - TV_j), the bonus token included)."""
+    own estimate (`tau_estimate`: 1 + sum_k prod_{j<=k} (1 - TV_j), the bonus token included).
+
+    `tau_estimate` is not what greedy decoding measures (`chain_tau_est` is, heads/acceptance.py):
+    1 - TV is the chance speculative *sampling* at temperature 1 accepts a sampled token, against
+    the target renormalised over the draft vocabulary (its mass outside is ignored); blocks whose
+    first label is outside the draft vocabulary are left out (decoding rejects there); and every
+    anchor counts once, where decoding queries only after each round's bonus token."""
     n = int(ok.sum())
     stats = {
         "ce": stat_pair(terms.ce.detach().sum(), n, device),

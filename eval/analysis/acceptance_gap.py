@@ -12,6 +12,10 @@ there (whole vocabulary). `summarize` turns those hits into:
 - chain tau estimates: 1 + p1 + p1 p2 + ... over each of those rates, and the walk of
   heads/acceptance.py, which queries the draft only where greedy chain decoding would.
 
+Block drafters (DFlash, DSpark) go through the same analysis: their teacher-forced chain from
+row t is the block anchored at t + 1 (heads/dflash.py `every_chain`, DSpark's Markov walk fed the
+sequence's tokens), and DSpark's own `val/tau_estimate` heads the causes table.
+
 On the target's own greedy continuations the walk is not an estimate: it is the tau speculative
 decoding must measure, and the draft's teacher-forced top-1 at the rows decoding queried is
 what decoding drafted there. eval/analysis/chain_decoding.py records, for every round, the root
@@ -76,16 +80,27 @@ def teacher_forced(
     head, target, input_ids: Tensor, loss_mask: Tensor, depth: int | None = None
 ) -> SequenceHits:
     """Hits of the unroll over one sequence, input_ids/loss_mask (T,), against the fp32
-    target's greedy tokens (depth: the chain's, default the head's ttt_steps)."""
+    target's greedy tokens (depth: the chain's, default the head's ttt_steps). A block drafter
+    (DFlash, DSpark) drafts row t's chain from the block anchored at t + 1 (`every_chain`);
+    its depth-d label needs x_{t+2} .. x_{t+d+1} all labels (a block stops at a turn's end)."""
     ids = input_ids.reshape(1, -1).long()
     batch = {"input_ids": ids, "loss_mask": loss_mask.reshape(1, -1).long()}
     feats = target.features(ids, torch.ones_like(ids), layers=head.feature_layers())
     greedy = head.target_argmax(feats["hidden"])  # (1, T)
+    if hasattr(head, "every_chain"):  # a block drafter: a block at every row's root
+        chains, runs = head.every_chain(batch, feats)  # (K, 1, T) each
+        depth = depth or head.max_draft_depth
+        if depth > head.max_draft_depth:
+            raise ValueError(f"a chain of {depth}: the head drafts at most {head.max_draft_depth}")
+        rows = [(chains[i], runs[i]) for i in range(depth)]
+    else:
+        outs = ttt_unroll(head, batch, feats, depth or head.config.ttt_steps)
+        rows = [(head.draft_to_target(head.logits(out).argmax(-1)), None) for out in outs]
     drafted, hits, labels, in_vocab = [], [], [], []
-    for i, out in enumerate(ttt_unroll(head, batch, feats, depth or head.config.ttt_steps)):
-        best = head.draft_to_target(head.logits(out).argmax(-1))[0]  # (T,)
+    for i, (best, run) in enumerate(rows):
+        best = best[0]  # (T,)
         want = masked_shift(greedy, i + 1)[0]  # the target's token for x_{t+i+2}
-        label = label_mask(batch, i + 2)[0]
+        label = label_mask(batch, i + 2)[0] if run is None else run[0]
         drafted.append(best)
         hits.append((best == want) & label)
         labels.append(label)
@@ -203,7 +218,9 @@ def loss_metrics(
         ids = example["input_ids"][None]
         feats = target.features(ids, torch.ones_like(ids), layers=head.feature_layers())
         feats = {k: v.to(feature_dtype) for k, v in feats.items()}
-        derived = head.example_targets({**example, "hidden": feats["hidden"][0]})
+        derived = {}
+        if hasattr(head, "example_targets"):  # EAGLE-3's cached greedy tokens
+            derived = head.example_targets({**example, "hidden": feats["hidden"][0]})
         batch = collate([{**example, **derived}])
         with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
             stats = head.loss(batch, feats).stats
@@ -260,9 +277,16 @@ def analyse(
 def causes(result: dict) -> list[tuple[str, float, float | None]]:
     """(step, chain tau, change) from the old estimate to measured decoding, a cause a step."""
     v, m, d = result["validation"], result["mt_bench"], result["decode"]
-    steps = [
-        ("validation top-1 in-vocab, unconditional: 1 + q1 + q1 q2 + ... (old estimate)",
-         v["tau_in_vocab"]),
+    steps = []
+    sampled = result.get("validation_trainer", {}).get("val/tau_estimate")
+    if sampled is not None:  # DSpark's own estimate: 1 - TV, speculative sampling at T = 1
+        steps.append(("DSpark val/tau_estimate: 1 + sum of prod (1 - TV), uniform anchors",
+                      sampled))  # fmt: skip
+    first = "validation top-1 in-vocab, unconditional: 1 + q1 + q1 q2 + ... (old estimate)"
+    if sampled is not None:
+        first = "(g) greedy: validation top-1 in-vocab, unconditional: 1 + q1 + q1 q2 + ..."
+    steps += [
+        (first, v["tau_in_vocab"]),
         ("(a) out-of-vocabulary positions count as misses", v["tau_all"]),
         ("(f) conditional chain acceptance p(d | 1..d-1 right)", v["tau_cond"]),
         ("(c) only the positions decoding queries (walk) = val/chain_tau_est", v["tau_walk"]),
