@@ -61,24 +61,37 @@ def walk_turn(accepted: list[int], first: int, last: int) -> int:
 
 
 def chain_walk(
-    accepted: Tensor, loss_mask: Tensor, segments: Tensor | None = None
-) -> tuple[int, int]:
+    accepted: Tensor, loss_mask: Tensor, segments: Tensor | None = None,
+    horizon: int | None = None,
+) -> tuple[int, int]:  # fmt: skip
     """(tokens, rounds) of greedy chain decoding over every assistant turn of a batch.
 
     accepted (B, T): `accepted_lengths` of each row; loss_mask (B, T): the labels; segments
-    (B, T): packed rows' conversation ids, or None. tokens counts each turn's labels but its
-    first (the prefill's token, as the benchmark's tau leaves it out), so tokens / rounds is
-    that benchmark's tau."""
+    (B, T): packed rows' conversation ids, or None; horizon: only each turn's first `horizon`
+    tokens, as a benchmark that stops at max_new_tokens=horizon decodes them (None: whole
+    turns). tokens counts each turn's labels but its first (the prefill's token, as the
+    benchmark's tau leaves it out), so tokens / rounds is that benchmark's tau."""
     tokens = rounds = 0
     masks, lengths = loss_mask.tolist(), accepted.tolist()
     segs = segments.tolist() if segments is not None else [None] * len(masks)
     for row, mask, seg in zip(lengths, masks, segs, strict=True):
         for first, last in label_runs(mask, seg):
+            if horizon is not None:
+                last = min(last, first + horizon - 1)
             if first == 0 or (seg is not None and seg[first - 1] != seg[first]):
                 first += 1  # a turn that opens its conversation: its first token is the prompt
             tokens += max(last - first, 0)
             rounds += walk_turn(row, first, last)
     return tokens, rounds
+
+
+def check_horizon(horizon: int | None) -> None:
+    """A head config's `estimate_horizon`: a token count >= 1, or None."""
+    if horizon is not None and horizon < 1:
+        raise ValueError(
+            f"head.estimate_horizon={horizon}: use a token count >= 1 (the benchmark's "
+            "max_new_tokens), or null to not log chain_tau_est_horizon."
+        )
 
 
 def chain_tau(conditional: list[float]) -> float:
@@ -91,15 +104,20 @@ def chain_tau(conditional: list[float]) -> float:
 
 
 def chain_stats(
-    hits: Tensor, labels: Tensor, loss_mask: Tensor, segments: Tensor | None = None
-) -> dict[str, tuple[float, float]]:
+    hits: Tensor, labels: Tensor, loss_mask: Tensor, segments: Tensor | None = None,
+    horizon: int | None = None,
+) -> dict[str, tuple[float, float]]:  # fmt: skip
     """[sum, count] pairs of a batch from hits (S, B, T) and labels (S, B, T) (the depth's
     position is a label; hits outside labels are ignored):
 
     - `step{i}/top1_all`: top-1 over every labelled position (a target token outside the draft
       vocabulary is a miss, as decoding rejects it);
     - `step{i}/accept`: the conditional chain acceptance P(depth i+1 right | depths 1..i right);
-    - `chain_tau_est`: tokens over rounds of `chain_walk` (a chain of depth S).
+    - `chain_tau_est`: tokens over rounds of `chain_walk` (a chain of depth S);
+    - `chain_tau_est_horizon` (with a horizon): the same over each turn's first `horizon` tokens,
+      what a benchmark with max_new_tokens=horizon measures. Answers start harder than they go
+      on (less of the answer to lean on), so this is lower and, for a head trained long on its
+      own corpus, the one that predicts a short benchmark (docs/acceptance_gap.md).
     """
     hits = hits & labels
     out: dict[str, tuple[float, float]] = {}
@@ -110,6 +128,9 @@ def chain_stats(
         reach = reach & hits[i]
     tokens, rounds = chain_walk(accepted_lengths(hits), loss_mask, segments)
     out["chain_tau_est"] = (float(tokens), float(rounds))
+    if horizon:
+        tokens, rounds = chain_walk(accepted_lengths(hits), loss_mask, segments, horizon)
+        out["chain_tau_est_horizon"] = (float(tokens), float(rounds))
     return out
 
 
@@ -118,6 +139,7 @@ __all__ = [
     "chain_stats",
     "chain_tau",
     "chain_walk",
+    "check_horizon",
     "label_runs",
     "walk_rows",
     "walk_turn",

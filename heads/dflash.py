@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from heads.acceptance import chain_stats
+from heads.acceptance import chain_stats, check_horizon
 from heads.base import (
     BlockDrafter,
     LossOutput,
@@ -97,6 +97,8 @@ class DFlashConfig:
     # matters when the training data is small (see `init_from_target_layers`).
     init_from_target: bool = False
     num_anchors: int = 64  # blocks trained per row and step
+    # validation's chain_tau_est_horizon walks each turn's first N tokens (null: not logged)
+    estimate_horizon: int | None = 48
     loss: str = "ce"  # "ce": the data's tokens; "kd": the target's distributions
     gamma: float | None = None  # slot k's loss weight exp(-(k-1)/gamma); null: by block size
     # "decay": the exp(-(k-1)/gamma) weights; "dpace": D-PACE weights (what a slot's error costs
@@ -106,6 +108,7 @@ class DFlashConfig:
     topk: int = 5
 
     def __post_init__(self) -> None:
+        check_horizon(self.estimate_horizon)
         if self.num_layers < 1:
             raise ValueError(f"head.num_layers={self.num_layers}: use at least one draft layer.")
         if self.block_size < 2:
@@ -429,7 +432,8 @@ class DFlashHead(nn.Module):
         greedy[labelled] = self.target_argmax(features["hidden"].to(device)[labelled])
         drafted, labels = self.every_chain(batch, features)
         want = torch.stack([masked_shift(greedy, i + 1) for i in range(len(drafted))])
-        found = chain_stats(drafted == want, labels, batch["loss_mask"], batch.get("segment_ids"))
+        mask, segments = batch["loss_mask"], batch.get("segment_ids")
+        found = chain_stats(drafted == want, labels, mask, segments, self.config.estimate_horizon)
         out = {}
         for key, (total, count) in found.items():
             if key.startswith("step"):  # step i is depth i + 1: slot{i+1}, as slot_stats

@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from heads.acceptance import chain_stats
+from heads.acceptance import chain_stats, check_horizon
 from heads.base import (
     FeatureDrafter,
     LossOutput,
@@ -103,9 +103,10 @@ class Eagle3Config:
     # of p log q to each step's loss (HASS: K = 10, weight 1); 0 disables
     hass_topk: int = 0
     hass_weight: float = 1.0
-    # Start the draft layer as the target's layer that reads the deepest fused feature, fc as
-    # the selection of that feature (heads/eagle3_target.py); off: random weights
+    # start the draft layer as a copy of a target layer (heads/eagle3_target.py), not random
     init_from_target: bool = False
+    # validation's chain_tau_est_horizon walks each turn's first N tokens (null: not logged)
+    estimate_horizon: int | None = 48
 
     def __post_init__(self) -> None:
         if self.aux_layers is not None:
@@ -120,6 +121,7 @@ class Eagle3Config:
             raise ValueError(f"head.decay={self.decay}: use a weight in (0, 1].")
         if self.topk < 1:
             raise ValueError(f"head.topk={self.topk}: use 1 or more.")
+        check_horizon(self.estimate_horizon)
         if not self.feature_noise >= 0:
             raise ValueError(f"head.feature_noise={self.feature_noise}: use >= 0 (0 disables).")
         if self.hass_topk < 0 or not self.hass_weight >= 0:
@@ -427,7 +429,8 @@ class Eagle3Head(nn.Module):
         stats["loss"] = stat_pair(total.detach(), 1, device)
         if chain:
             hits, labels = (torch.stack(x) for x in zip(*chain))
-            found = chain_stats(hits, labels, batch["loss_mask"], segments)
+            mask, horizon = batch["loss_mask"], self.config.estimate_horizon
+            found = chain_stats(hits, labels, mask, segments, horizon)
             stats.update({key: stat_pair(s, c, device) for key, (s, c) in found.items()})
         return LossOutput(total, stats)
 

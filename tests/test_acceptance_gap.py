@@ -219,6 +219,49 @@ def test_validation_chain_stats_equal_the_analysis(fitted):
         head.eval()
 
 
+def test_horizon_walk_keeps_each_turns_first_tokens():
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 0, 1, 1, 1]])
+    none = torch.zeros_like(mask)
+    # turns 1..5 and 7..9; each turn's first token is the prompt's, so 4 + 2 tokens, 1 a round
+    assert chain_walk(none, mask) == (6, 6)
+    assert chain_walk(none, mask, horizon=3) == (4, 4)  # 1..3 and 7..9
+    assert chain_walk(none, mask, horizon=100) == chain_walk(none, mask)
+
+
+@torch.no_grad()
+def test_horizon_estimate_is_the_tau_of_a_shorter_benchmark(fitted):
+    """chain_tau_est_horizon over the target's 40-token greedy answers equals the tau decoding
+    measures when it stops at max_new_tokens = the horizon."""
+    target, head, examples = fitted
+    horizon = 10
+    turns = decode_turns(head, target, _prompts(), horizon, depth=3)
+    decoded = decode_stats(turns, [teacher_forced(head, target, *t.sequence(), 3) for t in turns])
+    assert decoded["greedy_mismatches"] == 0 and decoded["tau"] > 1.2
+    batch = collate(examples)
+    feats = target.features(batch["input_ids"], batch["attention_mask"], head.feature_layers())
+    kept = head.config.estimate_horizon
+    try:
+        head.config.estimate_horizon = horizon
+        stats = {k: float(s / c) for k, (s, c) in head.loss(batch, feats).stats.items() if c > 0}
+        # equal up to the float32 of the stat's sums (integer tokens over integer rounds)
+        assert stats["chain_tau_est_horizon"] == pytest.approx(decoded["tau"], abs=1e-6)
+        head.config.estimate_horizon = 40  # the whole answers: the plain estimate
+        stats = {k: float(s / c) for k, (s, c) in head.loss(batch, feats).stats.items() if c > 0}
+        assert stats["chain_tau_est_horizon"] == pytest.approx(stats["chain_tau_est"])
+        head.config.estimate_horizon = None
+        assert "chain_tau_est_horizon" not in head.loss(batch, feats).stats
+    finally:
+        head.config.estimate_horizon = kept
+
+
+def test_estimate_horizon_must_be_positive():
+    from heads.dflash import DFlashConfig
+
+    for make in (Eagle3Config, DFlashConfig):
+        with pytest.raises(ValueError, match="estimate_horizon=0"):
+            make(estimate_horizon=0)
+
+
 def test_first_turn_keeps_the_first_answer():
     ids = torch.arange(10)
     mask = torch.tensor([0, 0, 1, 1, 0, 0, 1, 1, 1, 0])
