@@ -126,10 +126,11 @@ def chain_stats(
         out[f"step{i}/top1_all"] = (float(hits[i].sum()), float(labels[i].sum()))
         out[f"step{i}/accept"] = (float((reach & hits[i]).sum()), float((reach & labels[i]).sum()))
         reach = reach & hits[i]
-    tokens, rounds = chain_walk(accepted_lengths(hits), loss_mask, segments)
+    accepted = accepted_lengths(hits)
+    tokens, rounds = chain_walk(accepted, loss_mask, segments)
     out["chain_tau_est"] = (float(tokens), float(rounds))
     if horizon:
-        tokens, rounds = chain_walk(accepted_lengths(hits), loss_mask, segments, horizon)
+        tokens, rounds = chain_walk(accepted, loss_mask, segments, horizon)
         out["chain_tau_est_horizon"] = (float(tokens), float(rounds))
     return out
 

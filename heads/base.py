@@ -419,6 +419,20 @@ def masked_shift(mask: Tensor, shift: int) -> Tensor:
     return out
 
 
+@torch.no_grad()
+def lm_head_argmax(weight: Tensor, hidden: Tensor, chunk: int = 1024) -> Tensor:
+    """The greedy token of an lm_head `weight` (V, H) for hidden (..., H) over its whole
+    vocabulary, `chunk` rows at a time (the (rows, V) logits are the largest tensor of a
+    training step)."""
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    best = [
+        torch.nn.functional.linear(c.to(weight.dtype), weight).argmax(-1) for c in rows.split(chunk)
+    ]
+    if not best:
+        return torch.zeros(hidden.shape[:-1], dtype=torch.long, device=hidden.device)
+    return torch.cat(best).reshape(hidden.shape[:-1])
+
+
 # ---- packed rows ----------------------------------------------------------------------------
 # A packed batch (data/dataset.py `pack_examples`, `trainer.pack_tokens`) holds several
 # conversations per row and carries `segment_ids` (B, T) (1, 2, ... per conversation, 0 on

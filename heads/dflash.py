@@ -55,6 +55,7 @@ from heads.base import (
     TargetInfo,
     batch_positions,
     label_mask,
+    lm_head_argmax,
     masked_shift,
     stat_pair,
     warm_start,
@@ -367,14 +368,8 @@ class DFlashHead(nn.Module):
 
     @torch.no_grad()
     def target_argmax(self, hidden: Tensor) -> Tensor:
-        """The target's greedy token over its full vocabulary for hidden (..., H), 1024 rows at
-        a time."""
-        weight = self.target_lm_head
-        rows = hidden.reshape(-1, hidden.shape[-1])
-        best = [F.linear(c.to(weight.dtype), weight).argmax(-1) for c in rows.split(1024)]
-        if not best:
-            return torch.zeros(hidden.shape[:-1], dtype=torch.long, device=hidden.device)
-        return torch.cat(best).reshape(hidden.shape[:-1])
+        """The target's greedy token over its full vocabulary for hidden (..., H)."""
+        return lm_head_argmax(self.target_lm_head, hidden)
 
     @torch.no_grad()
     def drafted_chains(

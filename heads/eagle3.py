@@ -61,6 +61,7 @@ from heads.base import (
     TargetInfo,
     batch_positions,
     label_mask,
+    lm_head_argmax,
     masked_shift,
     segment_causal_mask,
     stat_pair,
@@ -319,14 +320,8 @@ class Eagle3Head(nn.Module):
 
     @torch.no_grad()
     def target_argmax(self, hidden: Tensor) -> Tensor:
-        """The target's greedy token over its full vocabulary for hidden (..., H), a chunk of
-        1024 rows at a time (the (rows, V) logits are the largest tensor of a training step)."""
-        weight = self.target_lm_head
-        rows = hidden.reshape(-1, hidden.shape[-1])
-        best = [F.linear(c.to(weight.dtype), weight).argmax(-1) for c in rows.split(1024)]
-        if not best:
-            return torch.zeros(hidden.shape[:-1], dtype=torch.long, device=hidden.device)
-        return torch.cat(best).reshape(hidden.shape[:-1])
+        """The target's greedy token over its full vocabulary for hidden (..., H)."""
+        return lm_head_argmax(self.target_lm_head, hidden)
 
     def example_targets(self, example: dict[str, Tensor]) -> dict[str, Tensor]:
         """{"target_argmax": (T,) int32}, the target's greedy token at each position of one

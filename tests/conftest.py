@@ -74,6 +74,18 @@ def make_qwen2(seed: int = 0, hidden: int = 64, layers: int = 2, vocab: int = TI
     return Qwen2ForCausalLM(cfg).eval()
 
 
+def fit(head, batch, feats, optimizer, steps: int = 15):
+    """(the loss before training, the last step's LossOutput) of `steps` optimizer steps of
+    `head.loss` on one batch: the tests' "a loss that falls" loop."""
+    first = head.loss(batch, feats).loss.item()
+    for _ in range(steps):
+        optimizer.zero_grad()
+        out = head.loss(batch, feats)
+        out.loss.backward()
+        optimizer.step()
+    return first, out
+
+
 def diverse(model, std=0.4, seed=1):
     """Re-draw the weight matrices larger: at the default init a tiny model repeats one token."""
     torch.manual_seed(seed)

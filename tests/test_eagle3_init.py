@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import diverse, make_llama
+from conftest import diverse, fit, make_llama
 
 import heads
 from eval.engine.drafting import make_proposer
@@ -93,12 +93,7 @@ def test_it_trains_saves_and_loads_without_reinitialising(tiny_llama, tmp_path):
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask}
     feats = tiny_llama.features(ids, batch["attention_mask"], head.feature_layers())
     opt = torch.optim.Adam(head.parameters(), lr=3e-3)
-    first = head.loss(batch, feats).loss.item()
-    for _ in range(15):
-        opt.zero_grad()
-        out = head.loss(batch, feats)
-        out.loss.backward()
-        opt.step()
+    first, out = fit(head, batch, feats, opt)
     assert torch.isfinite(out.loss) and out.loss.item() < 0.6 * first
     head.eval().save_pretrained(tmp_path / "h")
     assert json.loads((tmp_path / "h" / "config.json").read_text())["config"]["init_from_target"]

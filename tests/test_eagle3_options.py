@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import diverse, make_llama
+from conftest import diverse, fit, make_llama
 from safetensors.torch import load_file
 
 import heads
@@ -187,12 +187,7 @@ def test_loss_falls_with_the_options_on(tiny_llama, options):
     feats = _features(head, tiny_llama, batch)
     opt = torch.optim.Adam(head.parameters(), lr=3e-3)
     torch.manual_seed(0)
-    first = head.loss(batch, feats).loss.item()
-    for _ in range(15):
-        opt.zero_grad()
-        out = head.loss(batch, feats)
-        out.loss.backward()
-        opt.step()
+    first, out = fit(head, batch, feats, opt)
     assert torch.isfinite(out.loss) and out.loss.item() < 0.6 * first
     if options.get("fc_norm"):  # the new norms learn too
         assert not torch.equal(head.fc_norm[0].weight, torch.ones_like(head.fc_norm[0].weight))

@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from conftest import fit
 
 import heads
 import tests.test_checkpoint as tc
@@ -139,12 +140,7 @@ def test_muon_training_lowers_the_loss(tiny_llama):
     opt = build_optimizer(head, TrainerConfig(lr=3e-3, optimizer="muon", muon_lr=2e-2))
     batch = _batch()
     feats = _features(head, tiny_llama, batch)
-    first = head.loss(batch, feats).loss.item()
-    for _ in range(15):
-        opt.zero_grad()
-        out = head.loss(batch, feats)
-        out.loss.backward()
-        opt.step()
+    first, out = fit(head, batch, feats, opt)
     assert torch.isfinite(out.loss) and out.loss.item() < 0.6 * first
 
 
