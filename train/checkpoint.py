@@ -106,6 +106,8 @@ class TrainState:
     # processes; data loading and online features included, feature-cache builds and
     # evaluation not): the x axis of equal-CPU comparisons, carried across resumes
     cpu_s: float = 0.0
+    # the run length a time budget planned (train/budget.py); 0: none planned
+    planned_steps: int = 0
 
 
 @dataclass

@@ -42,6 +42,10 @@ class TrainerConfig:
     min_lr_ratio: float = 0.0  # the cosine decays to lr * min_lr_ratio
     max_steps: int = 0
     num_epochs: float = 1.0
+    # Wall-clock minutes for the whole run, data preparation and feature cache included; 0: no
+    # limit. Where the steps do not fit, fewer are planned and the schedule re-spread over them
+    # (train/budget.py).
+    time_budget_min: float = 0.0
     batch_size: int = 8  # per process
     eval_batch_size: int | None = None  # per process; None = batch_size
     grad_accum: int = 1
@@ -110,6 +114,10 @@ class TrainerConfig:
         _check(
             self.max_steps > 0 or self.num_epochs > 0,
             "max_steps=0 and num_epochs<=0: set max_steps>0 or num_epochs>0 (how long to train).",
+        )
+        _check(
+            self.time_budget_min >= 0,
+            f"time_budget_min={self.time_budget_min}: use minutes of wall time, or 0 (no limit).",
         )
         for name in ("batch_size", "grad_accum"):
             _check(getattr(self, name) >= 1, f"{name}={getattr(self, name)}: use 1 or more.")

@@ -41,11 +41,12 @@ from tqdm.auto import tqdm
 from data.dataset import packed_collate
 from data.errors import NonFiniteError
 from train.accelerator import make_accelerator, place_target
+from train.budget import TimeBudget
 from train.checkpoint import TrainState, gathered_weights
 from train.checkpointing import RunCheckpoints, checkpoint_record
 from train.config import TrainerConfig
 from train.features import batch_features, with_example_targets
-from train.optim import build_optimizer, build_scheduler, trainable_parameters
+from train.optim import build_optimizer, build_scheduler, replan_scheduler, trainable_parameters
 from train.rundir import check_kept_head, write_run_config
 from train.sampling import count_steps, epoch_batches, make_loader, sigchld_kept
 from train.selection import BestKeeper, Evaluator, run_evaluators
@@ -82,6 +83,7 @@ class TrainResult:
     checkpoint: Path | None = None
     stopped_early: bool = False
     elapsed_s: float = 0.0
+    planned_steps: int = 0  # the run length a time budget planned; 0: none
 
 
 class _HeadLoss(nn.Module):
@@ -104,7 +106,8 @@ class Trainer:
     (after writing a checkpoint of that step), which is how tests simulate an interruption.
     They must decide the same on every process. `run_config` (the resolved run config) and
     `data_sha1` are recorded in each checkpoint and compared on resume; `run_config` is also
-    written to <run_dir>/config.yaml once resume has accepted it.
+    written to <run_dir>/config.yaml once resume has accepted it. `started` is when the run
+    began on `clock` (time.monotonic; default: now), which `trainer.time_budget_min` counts from.
     """
 
     def __init__(
@@ -122,8 +125,16 @@ class Trainer:
         evaluators: Sequence[Evaluator] = (),
         run_config: dict | None = None,
         data_sha1: str | None = None,
+        started: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg, self.run_dir, self.callbacks = cfg, Path(run_dir), list(callbacks)
+        self.clock = clock
+        self.budget = (
+            TimeBudget(cfg.time_budget_min, clock() if started is None else started, clock)
+            if cfg.time_budget_min > 0
+            else None
+        )
         self.evaluators = list(evaluators)
         self.run_config = run_config
         self.acc = acc = make_accelerator(cfg)
@@ -144,8 +155,8 @@ class Trainer:
             cfg, len(train_dataset), acc.num_processes
         )
         optimizer = build_optimizer(head, cfg, acc.distributed_type == DistributedType.FSDP)
-        warmup = cfg.warmup_for(self.total_steps)
-        self.scheduler = build_scheduler(optimizer, warmup, self.total_steps, cfg.min_lr_ratio)
+        self.warmup = cfg.warmup_for(self.total_steps)
+        self.scheduler = build_scheduler(optimizer, self.warmup, self.total_steps, cfg.min_lr_ratio)
         self.model, self.optimizer = acc.prepare(_HeadLoss(head), optimizer)
         self.checkpoints = RunCheckpoints(
             acc, self.model, self.optimizer, self.scheduler, head, self.run_dir, cfg,
@@ -182,16 +193,27 @@ class Trainer:
         checkpoint = resumed
         val: tuple[dict, dict] = ({}, {})
         while state.step < self.total_steps and not stopped:
+            began = self.clock()
             self._train_step(stream, window)
             state.step += 1
             bar.update(1)
             if cfg.log_every and state.step % cfg.log_every == 0:
                 window = self._log_train(window, bar)
+            if self.budget is not None:
+                self.budget.add_step(self.clock() - began)
             if cfg.eval_every and state.step % cfg.eval_every == 0:
+                began = self.clock()
                 val, evaluated_at = self.evaluate(log=True), state.step
+                if self.budget is not None:
+                    self.budget.eval_s = self.clock() - began
             stopped = self._should_stop()
+            if self.budget is not None and not stopped:
+                self._keep_to_budget(evaluated_at == state.step, bar)
             if (cfg.save_every and state.step % cfg.save_every == 0) or stopped:
+                began = self.clock()
                 checkpoint = self.save_checkpoint()
+                if self.budget is not None:
+                    self.budget.save_s = self.clock() - began
         stream.close()  # its last loader's workers, if any, end here
         if window.micro_batches:
             self._log_train(window, bar)
@@ -219,6 +241,7 @@ class Trainer:
             checkpoint=checkpoint,
             stopped_early=stopped,
             elapsed_s=time.perf_counter() - started,
+            planned_steps=state.planned_steps,
         )
 
     def _train_step(self, stream: Iterator[dict], window: TrainWindow) -> None:
@@ -305,6 +328,46 @@ class Trainer:
                 yield self._to_device(batch)
             state.epoch, state.batch_in_epoch = state.epoch + 1, 0
 
+    def _keep_to_budget(self, evaluated_now: bool, bar: tqdm) -> None:
+        """Plan the run's length once (train/budget.py), then end it early when the next step
+        would overrun the budget. The main process decides; every process follows."""
+        budget, cfg, step = self.budget, self.cfg, self.state.step
+        assert budget is not None
+        end = self.total_steps
+        if not self.state.planned_steps and budget.ready_to_plan(
+            evaluated_now, cfg.eval_every, self.total_steps
+        ):
+            end = budget.plan(step, self.total_steps, cfg.eval_every, cfg.save_every)
+            end = broadcast_object_list([end])[0]
+            self._apply_plan(max(end, step), bar)
+            log.info(
+                "time budget %.1f min: %d steps planned (%s; %.0f s left)",
+                budget.minutes,
+                self.total_steps,
+                budget.costs(),
+                budget.remaining(),
+            )
+        elif (
+            step < end
+            and broadcast_object_list([budget.must_stop(step, cfg.eval_every, cfg.save_every)])[0]
+        ):
+            log.warning(
+                "time budget %.1f min: stopping at step %d of %d (%.0f s left)",
+                budget.minutes,
+                step,
+                end,
+                budget.remaining(),
+            )
+            self.total_steps = step
+            bar.total = step
+
+    def _apply_plan(self, planned: int, bar: tqdm | None = None) -> None:
+        """Run `planned` steps in all, over a schedule re-spread to end there."""
+        self.state.planned_steps = self.total_steps = planned
+        replan_scheduler(self.scheduler, self.warmup, planned, self.cfg.min_lr_ratio)
+        if bar is not None:
+            bar.total = planned
+
     def _should_stop(self) -> bool:
         if not self.callbacks:
             return False
@@ -374,6 +437,9 @@ class Trainer:
             return None
         path, self.state = found
         self.tracker.rewind(self.state.step)
+        if self.budget is not None and self.state.planned_steps:
+            # the plan holds (so the schedule does), unless max_steps was lowered since
+            self._apply_plan(min(self.state.planned_steps, self.total_steps))
         return path
 
     def save_head(self) -> Path:
@@ -398,6 +464,7 @@ def train(
     evaluators: Sequence[Evaluator] = (),
     run_config: dict | None = None,
     data_sha1: str | None = None,
+    started: float | None = None,
 ) -> TrainResult:
     """Build a Trainer and run it (see Trainer)."""
     trainer = Trainer(
@@ -413,5 +480,6 @@ def train(
         evaluators=evaluators,
         run_config=run_config,
         data_sha1=data_sha1,
+        started=started,
     )
     return trainer.fit()

@@ -167,3 +167,13 @@ def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float = 0.0) ->
 def build_scheduler(optimizer: Optimizer, warmup: int, total: int, min_ratio: float) -> LambdaLR:
     """A LambdaLR over `lr_multiplier`; step it once per optimizer update."""
     return LambdaLR(optimizer, lambda step: lr_multiplier(step, warmup, total, min_ratio))
+
+
+def replan_scheduler(scheduler: LambdaLR, warmup: int, total: int, min_ratio: float) -> None:
+    """Re-spread `scheduler` (from `build_scheduler`) over a run of `total` steps from where it
+    stands, and set each group's current lr on the new curve (a time budget's plan)."""
+    rule = lambda step: lr_multiplier(step, warmup, total, min_ratio)  # noqa: E731
+    scheduler.lr_lambdas = [rule] * len(scheduler.optimizer.param_groups)
+    for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, strict=True):
+        group["lr"] = base * rule(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]

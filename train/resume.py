@@ -9,8 +9,8 @@ Comparing: each checkpoint records the run's settings and a sha1 of its data (ru
 resume they are compared with this run's, setting by setting:
   - free: logging, evaluation and checkpoint cadence, W&B, evaluators, evaluate.py's tree, the
     resume switches; applied, listed in the log;
-  - stretched: `max_steps`, `num_epochs`, `mixed_precision`; applied with a warning (the cosine
-    schedule is re-spread over the new length);
+  - stretched: `max_steps`, `num_epochs`, `mixed_precision`, `time_budget_min`; applied with a
+    warning (the cosine schedule is re-spread over the new length);
   - never: `head.*`, `model.*`: another head or target is another run; always refused;
   - guarded: everything else (optimizer, schedule, batch, seeds, the data): refused unless
     `trainer.allow_config_change=true`, which applies them, the new learning rate included.
@@ -63,7 +63,12 @@ FREE = (
     "trainer.best_metric",
     "trainer.best_mode",
 )
-STRETCHED = ("trainer.max_steps", "trainer.num_epochs", "trainer.mixed_precision")
+STRETCHED = (
+    "trainer.max_steps",
+    "trainer.num_epochs",
+    "trainer.mixed_precision",
+    "trainer.time_budget_min",
+)
 NEVER = ("head", "model")
 DATA_KEY = "data_sha1"
 

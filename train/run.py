@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -156,6 +157,7 @@ def engine_gguf(data_cfg: DataConfig, model_cfg) -> None:
 
 def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> TrainResult:
     """Train the configured head; returns the TrainResult (the head lands in run_dir/head)."""
+    started = time.monotonic()  # trainer.time_budget_min counts from here
     run_dir = Path(run_dir or _hydra_run_dir())
     # the settings first: a typo should not wait for the target and the data to load
     trainer_cfg: TrainerConfig = instantiate(cfg.trainer)
@@ -197,6 +199,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> TrainResul
         evaluators=evaluators,
         run_config=resolved,  # config.yaml, once resume has accepted it
         data_sha1=examples_sha1(data.train + data.val),
+        started=started,
     )
     if env_rank() == 0:
         _log_final_head(tracker, run_dir, head.method)
@@ -209,6 +212,8 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> TrainResul
 def format_summary(result: TrainResult, run_dir: Path) -> str:
     """Per-head validation accuracy and throughput, as printed at the end of a run."""
     lines = [f"run dir: {run_dir}", f"steps: {result.step}  time: {result.elapsed_s:.0f}s"]
+    if result.planned_steps:
+        lines[1] += f"  (trainer.time_budget_min planned {result.planned_steps} steps)"
     if result.elapsed_s > 0:
         lines.append(
             f"training tokens/s: {result.tokens / result.elapsed_s:.0f} "

@@ -1,0 +1,132 @@
+"""A wall-clock budget for a whole training run (`trainer.time_budget_min`).
+
+A recipe that promises "20 minutes on 2 cores" cannot promise a step count: the data, the
+feature cache and each step take what the machine gives (a CPU without AVX512-BF16 trains in
+fp32, 2-3x slower per step; llama-server's generation rate varied 3x between our machines). With
+a budget, the run keeps the recipe's `max_steps` where it fits and otherwise trains fewer steps
+over a cosine schedule that still ends at its minimum:
+
+1. The budget counts from the start of the run (train.py: before the target loads, so data
+   generation and the feature cache spend it too).
+2. Plan: once the loop has timed its steps and, where the run validates periodically, its first
+   validation, it computes the longest run whose remaining steps, periodic validations,
+   checkpoints and final validation fit in what is left (`steps_that_fit`), and re-spreads the
+   learning-rate schedule over it (`train.optim.replan_scheduler`). The plan is decided on the
+   main process, is the same on every process, and is recorded in each later checkpoint, so a
+   resumed run finishes the same schedule.
+3. Guard: when the next step would leave no room for the final validation and save, the run
+   stops there and ends normally (final validation, checkpoint, head), with a warning.
+
+Without periodic validation (eval_every=0), the final validation's cost is not known when the
+plan is made: it is taken as one step's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Measured wall seconds: one optimizer step (mean), one validation (with the checkpoint-time
+    evaluators), one checkpoint write."""
+
+    step_s: float
+    eval_s: float = 0.0
+    save_s: float = 0.0
+
+
+def events_between(start: int, end: int, every: int) -> int:
+    """How many multiples of `every` lie in (start, end]; 0 when `every` is 0."""
+    return end // every - start // every if every > 0 else 0
+
+
+def finish_cost(step: int, end: int, costs: StepCosts, eval_every: int, save_every: int) -> float:
+    """Wall seconds from `step` to the end of a run that stops at `end`: its steps, the periodic
+    validations and checkpoints in (step, end], the final validation and checkpoint where the
+    last step is not already one, and the head's save (costed as a checkpoint)."""
+    cost = (end - step) * costs.step_s
+    cost += events_between(step, end, eval_every) * costs.eval_s
+    if not (eval_every and end % eval_every == 0):
+        cost += costs.eval_s  # the final validation
+    if save_every > 0:
+        cost += events_between(step, end, save_every) * costs.save_s
+        if end % save_every:
+            cost += costs.save_s  # the final checkpoint
+    return cost + costs.save_s  # the head
+
+
+def steps_that_fit(
+    remaining_s: float,
+    costs: StepCosts,
+    *,
+    step: int,
+    total: int,
+    eval_every: int,
+    save_every: int,
+) -> int:
+    """The largest run length in [step, total] whose finish (`finish_cost`) fits in
+    `remaining_s`; `step` (stop now) when not even one more step does."""
+    if finish_cost(step, total, costs, eval_every, save_every) <= remaining_s:
+        return total
+    lo, hi = step, total  # cost rises with the end step: bisect for the last that fits
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if finish_cost(step, mid, costs, eval_every, save_every) <= remaining_s:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class TimeBudget:
+    """`minutes` of wall time from `started` (a `clock()` reading), and the step timings the
+    plan reads. `clock` is injectable so tests can run on a simulated clock."""
+
+    def __init__(
+        self, minutes: float, started: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.minutes, self.clock = minutes, clock
+        self.deadline = started + minutes * 60.0
+        self.step_total_s, self.steps, self.last_step_s = 0.0, 0, 0.0
+        self.eval_s: float | None = None
+        self.save_s = 0.0
+
+    def remaining(self) -> float:
+        return self.deadline - self.clock()
+
+    def add_step(self, seconds: float) -> None:
+        self.step_total_s += seconds
+        self.steps += 1
+        self.last_step_s = seconds
+
+    def costs(self) -> StepCosts:
+        step_s = self.step_total_s / max(self.steps, 1)
+        eval_s = step_s if self.eval_s is None else self.eval_s
+        return StepCosts(step_s=step_s, eval_s=eval_s, save_s=self.save_s)
+
+    def ready_to_plan(self, evaluated_now: bool, eval_every: int, total: int) -> bool:
+        """Plan after a validation when the run validates periodically before its end, else
+        after 10 timed steps."""
+        if 0 < eval_every < total:
+            return evaluated_now and self.steps > 0
+        return self.steps >= 10
+
+    def plan(self, step: int, total: int, eval_every: int, save_every: int) -> int:
+        return steps_that_fit(
+            self.remaining(),
+            self.costs(),
+            step=step,
+            total=total,
+            eval_every=eval_every,
+            save_every=save_every,
+        )
+
+    def must_stop(self, step: int, eval_every: int, save_every: int) -> bool:
+        """True when one more step and the finish after it would overrun the deadline; a step
+        is costed at the larger of the mean and the last (steps that slow down are caught)."""
+        costs = self.costs()
+        costs = StepCosts(max(costs.step_s, self.last_step_s), costs.eval_s, costs.save_s)
+        return finish_cost(step, step + 1, costs, eval_every, save_every) > self.remaining()
