@@ -136,3 +136,11 @@ def test_a_resumed_run_keeps_the_plan_and_the_weights(target, tmp_path):
 def test_a_negative_budget_is_refused():
     with pytest.raises(ValueError, match="time_budget_min=-1"):
         TrainerConfig(time_budget_min=-1)
+
+
+def test_a_spent_budget_still_trains_to_the_first_validation(target, tmp_path):
+    clock = Clock()
+    clock.now = 120.0  # the data took two minutes of a one-minute budget
+    result = trainer(target, tmp_path, clock).fit()
+    assert result.step == result.planned_steps == 10
+    assert result.head_dir is not None

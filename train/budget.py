@@ -14,8 +14,10 @@ over a cosine schedule that still ends at its minimum:
    learning-rate schedule over it (`train.optim.replan_scheduler`). The plan is decided on the
    main process, is the same on every process, and is recorded in each later checkpoint, so a
    resumed run finishes the same schedule.
-3. Guard: when the next step would leave no room for the final validation and save, the run
-   stops there and ends normally (final validation, checkpoint, head), with a warning.
+3. Guard: after the plan, when the next step would leave no room for the final validation and
+   save, the run stops there and ends normally (final validation, checkpoint, head), with a
+   warning. Before the plan nothing stops it: a machine whose data preparation spent the whole
+   budget still trains to the first validation (or 10 steps) and says by how much it overran.
 
 Without periodic validation (eval_every=0), the final validation's cost is not known when the
 plan is made: it is taken as one step's.

@@ -330,7 +330,8 @@ class Trainer:
 
     def _keep_to_budget(self, evaluated_now: bool, bar: tqdm) -> None:
         """Plan the run's length once (train/budget.py), then end it early when the next step
-        would overrun the budget. The main process decides; every process follows."""
+        would overrun the budget; before the plan nothing stops the run, so a head always trains
+        to its first validation. The main process decides; every process follows."""
         budget, cfg, step = self.budget, self.cfg, self.state.step
         assert budget is not None
         end = self.total_steps
@@ -338,17 +339,21 @@ class Trainer:
             evaluated_now, cfg.eval_every, self.total_steps
         ):
             end = budget.plan(step, self.total_steps, cfg.eval_every, cfg.save_every)
-            end = broadcast_object_list([end])[0]
+            end, recipe = broadcast_object_list([end])[0], self.total_steps
             self._apply_plan(max(end, step), bar)
-            log.info(
-                "time budget %.1f min: %d steps planned (%s; %.0f s left)",
+            log.log(
+                logging.WARNING if end < recipe else logging.INFO,
+                "time budget %.1f min: %d of %d steps fit (%s; %.0f s left at step %d)",
                 budget.minutes,
                 self.total_steps,
+                recipe,
                 budget.costs(),
                 budget.remaining(),
+                step,
             )
         elif (
-            step < end
+            self.state.planned_steps
+            and step < end
             and broadcast_object_list([budget.must_stop(step, cfg.eval_every, cfg.save_every)])[0]
         ):
             log.warning(
