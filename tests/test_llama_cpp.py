@@ -90,6 +90,20 @@ def test_draft_threads_reach_the_draft_model_alone(tmp_path):
         ServerConfig(model=str(model), draft=str(draft), spec_type="draft-eagle3", draft_threads=0)
 
 
+@pytest.mark.parametrize(
+    ("amx", "avx512_bf16", "expected"),
+    [(False, False, "f32"), (False, True, "bf16"), (True, False, "bf16")],
+)
+def test_fast_float_is_bf16_only_where_the_cpu_multiplies_bf16(
+    monkeypatch, amx, avx512_bf16, expected
+):
+    from heads.interop.gguf import TargetGGUF
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    assert TargetGGUF.parse("fast_float") == TargetGGUF(own=False, outtype=expected)
+
+
 def test_a_target_gguf_setting_names_the_own_file_a_conversion_or_a_path(tmp_path):
     """data.self_distill.gguf, evaluate's llama_cpp.target_gguf and export's --target-outtype
     share one reading (TargetGGUF.parse): unset or "auto" is the target's own file, an outtype

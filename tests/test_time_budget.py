@@ -82,10 +82,12 @@ def test_steps_that_fit_is_the_longest_run_that_fits():
                           save_every=0) == 40  # fmt: skip
 
 
-def test_the_plan_fills_the_budget_and_the_schedule_ends_there(target, tmp_path):
+def test_the_plan_fills_the_budget_and_the_schedule_ends_there(target, tmp_path, caplog):
     clock = Clock()
     run = trainer(target, tmp_path, clock)
-    result = run.fit()
+    with caplog.at_level("WARNING", logger="train.loop"):
+        result = run.fit()
+    assert "40 of 100 steps fit (1.00 s a step, 5.0 s a validation" in caplog.text
     # 60 s: steps 1-10 (10 s) and the first validation (5 s) leave 45 s: 30 more steps
     assert (result.step, result.planned_steps) == (40, 40)
     assert clock.now == pytest.approx(60.0)

@@ -39,6 +39,12 @@ class StepCosts:
     eval_s: float = 0.0
     save_s: float = 0.0
 
+    def describe(self) -> str:
+        return (
+            f"{self.step_s:.2f} s a step, {self.eval_s:.1f} s a validation, "
+            f"{self.save_s:.1f} s a checkpoint"
+        )
+
 
 def events_between(start: int, end: int, every: int) -> int:
     """How many multiples of `every` lie in (start, end]; 0 when `every` is 0."""

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from data.errors import ConfigError
+from data.hardware import cpu_has_fast_bf16
 
 MIXED_PRECISION = ("no", "bf16", "fp16", "auto", "fast_bf16")
 OPTIMIZERS = ("adamw", "muon")
@@ -160,11 +161,6 @@ def resolve_mixed_precision(mode: str) -> str:
     if mode == "fast_bf16" and not torch.cuda.is_available() and cpu_has_fast_bf16():
         return "bf16"
     return "no"
-
-
-def cpu_has_fast_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AMX tiles or AVX512-BF16)."""
-    return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
 
 
 def _check(ok: bool, message: str) -> None:

@@ -347,7 +347,7 @@ class Trainer:
                 budget.minutes,
                 self.total_steps,
                 recipe,
-                budget.costs(),
+                budget.costs().describe(),
                 budget.remaining(),
                 step,
             )

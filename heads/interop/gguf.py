@@ -30,6 +30,7 @@ from pathlib import Path
 from data.engines.llama_cpp import GGUF_OUTTYPES, LLAMA_CPP_VERSION, convert_to_gguf
 from data.engines.llama_tools import QUANT_TYPES, quantize_gguf
 from data.errors import ConfigError
+from data.hardware import fast_float_type
 from heads.interop.dflash import DSPARK_SPECULATORS_ARCH
 from heads.interop.export import export_draft, formats_for
 
@@ -188,10 +189,13 @@ class TargetGGUF:
     def parse(cls, choice: str | os.PathLike | None) -> TargetGGUF:
         """A setting (data.self_distill.gguf, llama_cpp.target_gguf, --target-outtype): None, ""
         or "auto", the target's own file; an outtype (f32, f16, bf16, q8_0), its folder converted
-        to that type; q4_0 / q4_k_m (and q8_0), its f32 conversion through llama-quantize
+        to that type; "fast_float", bf16 or f32, whichever this CPU runs faster (data.hardware);
+        q4_0 / q4_k_m (and q8_0), its f32 conversion through llama-quantize
         (quantized_target_gguf); anything else, a .gguf path."""
         if choice in (None, "", "auto"):
             return cls()
+        if choice == "fast_float":
+            return cls(own=False, outtype=fast_float_type())
         if choice in GGUF_OUTTYPES or choice in QUANT_TYPES:
             return cls(own=False, outtype=str(choice))
         return cls(file=Path(choice))
