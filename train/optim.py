@@ -164,16 +164,27 @@ def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float = 0.0) ->
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def _schedule(warmup: int, total: int, min_ratio: float):
+    return lambda step: lr_multiplier(step, warmup, total, min_ratio)
+
+
 def build_scheduler(optimizer: Optimizer, warmup: int, total: int, min_ratio: float) -> LambdaLR:
     """A LambdaLR over `lr_multiplier`; step it once per optimizer update."""
-    return LambdaLR(optimizer, lambda step: lr_multiplier(step, warmup, total, min_ratio))
+    return LambdaLR(optimizer, _schedule(warmup, total, min_ratio))
+
+
+def set_current_lr(scheduler: LambdaLR) -> None:
+    """Put each group's lr where `scheduler`'s rules and peak lrs place it at its current step
+    (after its rules or peak lrs changed)."""
+    groups = scheduler.optimizer.param_groups
+    for group, base, rule in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+        group["lr"] = base * rule(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in groups]
 
 
 def replan_scheduler(scheduler: LambdaLR, warmup: int, total: int, min_ratio: float) -> None:
     """Re-spread `scheduler` (from `build_scheduler`) over a run of `total` steps from where it
     stands, and set each group's current lr on the new curve (a time budget's plan)."""
-    rule = lambda step: lr_multiplier(step, warmup, total, min_ratio)  # noqa: E731
+    rule = _schedule(warmup, total, min_ratio)
     scheduler.lr_lambdas = [rule] * len(scheduler.optimizer.param_groups)
-    for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, strict=True):
-        group["lr"] = base * rule(scheduler.last_epoch)
-    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+    set_current_lr(scheduler)

@@ -31,6 +31,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from train.checkpoint import CheckpointError, checkpoint_problems, list_checkpoints
 from train.config import TrainerConfig
+from train.optim import set_current_lr
 from train.rundir import flatten
 
 log = logging.getLogger(__name__)
@@ -249,7 +250,6 @@ def apply_optimizer_settings(
             "resume with the same head, or start over with trainer.resume=never."
         )
     scheduler.base_lrs = [f["initial_lr"] for f in fresh]
-    for group, settings, rule in zip(optimizer.param_groups, fresh, scheduler.lr_lambdas):
+    for group, settings in zip(optimizer.param_groups, fresh, strict=True):
         group.update(settings)
-        group["lr"] = settings["initial_lr"] * rule(scheduler.last_epoch)
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    set_current_lr(scheduler)
