@@ -37,7 +37,7 @@ def launch_fsdp(run_dir, *extra: str) -> list[dict]:
     proc = subprocess.run(
         cmd, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=120, cwd=REPO
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [json.loads((run_dir / f"result_rank{r}.json").read_text()) for r in (0, 1)]
 
 
@@ -67,7 +67,7 @@ def test_fsdp_on_two_cpu_processes_trains_saves_and_resumes(tmp_path):
     proc = subprocess.run(
         cmd, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=120, cwd=REPO
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     result = json.loads((single / "result_rank0.json").read_text())
     assert (result["distributed_type"], result["step"]) == ("DistributedType.NO", 4)
     assert "resumed" in proc.stderr or (single / "checkpoints" / "step_4").is_dir()
