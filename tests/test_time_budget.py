@@ -1,6 +1,7 @@
 """trainer.time_budget_min on a simulated clock: the plan (how many steps fit), the schedule
-re-spread to end at the plan, the guard that stops a run whose steps slow down, and a resumed
-run that keeps the plan and ends with the same weights as an uninterrupted one."""
+re-spread to end at the plan, later plans at each validation when steps slow down or speed up,
+the guard that stops a run whose steps slow down between validations, and a resumed run that
+keeps the plan and ends with the same weights as an uninterrupted one."""
 
 from __future__ import annotations
 
@@ -102,12 +103,42 @@ def test_without_a_budget_or_with_room_the_recipe_length_stands(target, tmp_path
         assert result.planned_steps == (100 if minutes else 0)
 
 
-def test_steps_that_slow_down_are_stopped_before_the_deadline(target, tmp_path):
+def test_steps_that_slow_down_shorten_the_plan_at_the_next_validation(target, tmp_path, caplog):
     clock = Clock(step_s=lambda n: 1.0 if n <= 10 else 3.0)
+    run = trainer(target, tmp_path, clock)
+    with caplog.at_level("INFO", logger="train.loop"):
+        result = run.fit()
+    # planned 40 on the fast steps; at step 20 (t = 50 s) the 3 s steps leave room for one more
+    # step and the final validation: 21, and the schedule still ends at its minimum
+    assert "40 of 100 steps fit" in caplog.text and "21 of 100 steps fit" in caplog.text
+    assert "was 40" in caplog.text
+    assert (result.step, result.planned_steps) == (21, 21)
+    assert clock.now == pytest.approx(58.0) and clock.now <= 60.0
+    assert run.optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
+    assert result.head_dir is not None and not result.stopped_early
+
+
+def test_steps_that_speed_up_lengthen_the_plan_at_the_next_validation(target, tmp_path, caplog):
+    clock = Clock(step_s=lambda n: 2.0 if n <= 10 else 1.0)
+    run = trainer(target, tmp_path, clock)
+    with caplog.at_level("INFO", logger="train.loop"):
+        result = run.fit()
+    # step 10 at 25 s (validation included): 2 s steps fit 22 in the 35 s left; at step 20
+    # (40 s) the 1 s steps since then fit 30: its validation at 55 s ends the run
+    assert "22 of 100 steps fit (2.00 s a step" in caplog.text
+    assert "30 of 100 steps fit (1.00 s a step" in caplog.text
+    assert (result.step, result.planned_steps) == (30, 30)
+    assert clock.now == pytest.approx(55.0)
+    assert run.optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_steps_that_slow_down_between_validations_are_stopped_in_time(target, tmp_path):
+    clock = Clock(step_s=lambda n: 1.0 if n <= 25 else 5.0)
     result = trainer(target, tmp_path, clock).fit()
-    assert result.planned_steps == 40  # planned on the fast steps
-    assert 10 < result.step < 40  # then stopped early, and ended normally:
-    assert clock.now <= 60.0
+    # 40 planned at step 10 and again at 20; from step 26 a step takes 5 s, and after step 29
+    # (55 s) one more step and the validation at 30 would end at 65 s: the guard stops there
+    assert (result.step, result.planned_steps) == (29, 40)
+    assert clock.now == pytest.approx(60.0)  # the final validation of step 29 included
     assert result.head_dir is not None and not result.stopped_early
 
 

@@ -9,11 +9,16 @@ over a cosine schedule that still ends at its minimum:
 1. The budget counts from the start of the run (train.py: before the target loads, so data
    generation and the feature cache spend it too).
 2. Plan: once the loop has timed its steps and, where the run validates periodically, its first
-   validation, it computes the longest run whose remaining steps, periodic validations,
-   checkpoints and final validation fit in what is left (`steps_that_fit`), and re-spreads the
-   learning-rate schedule over it (`train.optim.replan_scheduler`). The plan is decided on the
-   main process, is the same on every process, and is recorded in each later checkpoint, so a
-   resumed run finishes the same schedule.
+   validation, it computes the longest run (up to the recipe's length) whose remaining steps,
+   periodic validations, checkpoints and final validation fit in what is left
+   (`steps_that_fit`), and re-spreads the learning-rate schedule over it
+   (`train.optim.replan_scheduler`). It plans again at each later validation, on the mean of the
+   steps since the last plan: step times drift (on a 2-core Xeon the first 100 steps of
+   `eagle3_llama` averaged 1.29 s and the 373 after them about 1.03 s, so a single plan left
+   1.5 of its 20 minutes unused), and a later plan lengthens or shortens the run. The plan is
+   decided on the main process, is the same on every process, and is recorded in each later
+   checkpoint, so a resumed run finishes the schedule it resumed with (a resumed process does
+   not plan again: its clock started late and cannot tell what the first one spent).
 3. Guard: after the plan, when the next step would leave no room for the final validation and
    save, the run stops there and ends normally (final validation, checkpoint, head), with a
    warning. Before the plan nothing stops it: a machine whose data preparation spent the whole
@@ -99,6 +104,7 @@ class TimeBudget:
         self.minutes, self.clock = minutes, clock
         self.deadline = started + minutes * 60.0
         self.step_total_s, self.steps, self.last_step_s = 0.0, 0, 0.0
+        self.window_s, self.window_steps = 0.0, 0  # the steps since the last plan
         self.eval_s: float | None = None
         self.save_s = 0.0
 
@@ -109,9 +115,16 @@ class TimeBudget:
         self.step_total_s += seconds
         self.steps += 1
         self.last_step_s = seconds
+        self.window_s += seconds
+        self.window_steps += 1
 
     def costs(self) -> StepCosts:
-        step_s = self.step_total_s / max(self.steps, 1)
+        """A step costs the mean of the steps since the last plan (of all, before the first
+        plan or when fewer than 5 ran since): the first steps of a run are often slower."""
+        if self.window_steps >= 5:
+            step_s = self.window_s / self.window_steps
+        else:
+            step_s = self.step_total_s / max(self.steps, 1)
         eval_s = step_s if self.eval_s is None else self.eval_s
         return StepCosts(step_s=step_s, eval_s=eval_s, save_s=self.save_s)
 
@@ -123,7 +136,8 @@ class TimeBudget:
         return self.steps >= 10
 
     def plan(self, step: int, total: int, eval_every: int, save_every: int) -> int:
-        return steps_that_fit(
+        """The longest run in [step, total] that fits what is left; starts a new step window."""
+        fits = steps_that_fit(
             self.remaining(),
             self.costs(),
             step=step,
@@ -131,6 +145,8 @@ class TimeBudget:
             eval_every=eval_every,
             save_every=save_every,
         )
+        self.window_s, self.window_steps = 0.0, 0
+        return fits
 
     def must_stop(self, step: int, eval_every: int, save_every: int) -> bool:
         """True when one more step and the finish after it would overrun the deadline; a step

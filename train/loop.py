@@ -154,6 +154,7 @@ class Trainer:
         self.batches_per_epoch, self.total_steps = count_steps(
             cfg, len(train_dataset), acc.num_processes
         )
+        self.recipe_steps, self.replans = self.total_steps, True  # a budget plans within these
         optimizer = build_optimizer(head, cfg, acc.distributed_type == DistributedType.FSDP)
         self.warmup = cfg.warmup_for(self.total_steps)
         self.scheduler = build_scheduler(optimizer, self.warmup, self.total_steps, cfg.min_lr_ratio)
@@ -329,42 +330,44 @@ class Trainer:
             state.epoch, state.batch_in_epoch = state.epoch + 1, 0
 
     def _keep_to_budget(self, evaluated_now: bool, bar: tqdm) -> None:
-        """Plan the run's length once (train/budget.py), then end it early when the next step
-        would overrun the budget; before the plan nothing stops the run, so a head always trains
-        to its first validation. The main process decides; every process follows."""
+        """Plan the run's length (train/budget.py) at its first validation and again at each
+        later one (on the steps since the last plan; not in a resumed process, whose clock cannot
+        tell what the first one spent), then end it early when the next step would overrun the
+        budget; before the first plan nothing stops the run, so a head always trains to its first
+        validation. The main process decides; every process follows."""
         budget, cfg, step = self.budget, self.cfg, self.state.step
         assert budget is not None
-        end = self.total_steps
-        if not self.state.planned_steps and budget.ready_to_plan(
-            evaluated_now, cfg.eval_every, self.total_steps
-        ):
-            end = budget.plan(step, self.total_steps, cfg.eval_every, cfg.save_every)
-            end, recipe = broadcast_object_list([end])[0], self.total_steps
-            self._apply_plan(max(end, step), bar)
-            log.log(
-                logging.WARNING if end < recipe else logging.INFO,
-                "time budget %.1f min: %d of %d steps fit (%s; %.0f s left at step %d)",
-                budget.minutes,
-                self.total_steps,
-                recipe,
-                budget.costs().describe(),
-                budget.remaining(),
-                step,
-            )
-        elif (
-            self.state.planned_steps
-            and step < end
-            and broadcast_object_list([budget.must_stop(step, cfg.eval_every, cfg.save_every)])[0]
-        ):
-            log.warning(
-                "time budget %.1f min: stopping at step %d of %d (%.0f s left)",
-                budget.minutes,
-                step,
-                end,
-                budget.remaining(),
-            )
-            self.total_steps = step
-            bar.total = step
+        end, planned = self.total_steps, self.state.planned_steps
+        if (
+            not planned and budget.ready_to_plan(evaluated_now, cfg.eval_every, self.recipe_steps)
+        ) or (planned and evaluated_now and self.replans and step < end):
+            costs = budget.costs()
+            fits = budget.plan(step, self.recipe_steps, cfg.eval_every, cfg.save_every)
+            fits = max(broadcast_object_list([fits])[0], step)
+            if fits != end or not planned:
+                self._apply_plan(fits, bar)
+                log.log(
+                    logging.WARNING if fits < self.recipe_steps else logging.INFO,
+                    "time budget %.1f min: %d of %d steps fit (%s; %.0f s left at step %d)%s",
+                    budget.minutes,
+                    fits,
+                    self.recipe_steps,
+                    costs.describe(),
+                    budget.remaining(),
+                    step,
+                    f", was {end}" if planned else "",
+                )
+        elif planned and step < end:
+            if broadcast_object_list([budget.must_stop(step, cfg.eval_every, cfg.save_every)])[0]:
+                log.warning(
+                    "time budget %.1f min: stopping at step %d of %d (%.0f s left)",
+                    budget.minutes,
+                    step,
+                    end,
+                    budget.remaining(),
+                )
+                self.total_steps = step
+                bar.total = step
 
     def _apply_plan(self, planned: int, bar: tqdm | None = None) -> None:
         """Run `planned` steps in all, over a schedule re-spread to end there."""
@@ -445,6 +448,7 @@ class Trainer:
         if self.budget is not None and self.state.planned_steps:
             # the plan holds (so the schedule does), unless max_steps was lowered since
             self._apply_plan(min(self.state.planned_steps, self.total_steps))
+            self.replans = False  # this process's clock started late: keep the plan
         return path
 
     def save_head(self) -> Path:
