@@ -19,9 +19,10 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     run_dir = HydraConfig.get().runtime.output_dir
+    from train.budget import process_started
     from train.run import run as run_training
 
-    result = run_training(cfg, run_dir)
+    result = run_training(cfg, run_dir, started=process_started())
     export = cfg.get("export") or {}
     if export.get("formats") and result.head_dir is not None:
         from eval.publish.export import export_run

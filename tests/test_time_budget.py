@@ -1,17 +1,20 @@
 """trainer.time_budget_min on a simulated clock: the plan (how many steps fit), the schedule
 re-spread to end at the plan, later plans at each validation when steps slow down or speed up,
-the guard that stops a run whose steps slow down between validations, and a resumed run that
-keeps the plan and ends with the same weights as an uninterrupted one."""
+the guard that stops a run whose steps slow down between validations, a resumed run that
+keeps the plan and ends with the same weights as an uninterrupted one, and the clock's start at
+the process's own start."""
 
 from __future__ import annotations
 
 import itertools
+import time
 
+import psutil
 import pytest
 import torch
 
 from tests._dummy_head import DummyHead, collate_with_ids, make_examples, make_target
-from train.budget import StepCosts, finish_cost, steps_that_fit
+from train.budget import StepCosts, finish_cost, process_started, steps_that_fit
 from train.config import TrainerConfig
 from train.loop import Trainer
 
@@ -177,3 +180,14 @@ def test_a_spent_budget_still_trains_to_the_first_validation(target, tmp_path):
     result = trainer(target, tmp_path, clock).fit()
     assert result.step == result.planned_steps == 10
     assert result.head_dir is not None
+
+
+def test_the_budget_counts_from_the_process_start():
+    """train.py starts the budget's clock when its process started, so the interpreter's imports
+    are spent from it too: the start lies the process's age before now, on any clock."""
+    age = time.time() - psutil.Process().create_time()
+    now = time.monotonic()
+    started = process_started()
+    assert started <= now
+    assert now - started == pytest.approx(age, abs=1.0)
+    assert process_started(lambda: 5000.0) == pytest.approx(5000.0 - age, abs=1.0)

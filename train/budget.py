@@ -6,8 +6,9 @@ fp32, 2-3x slower per step; llama-server's generation rate varied 3x between our
 a budget, the run keeps the recipe's `max_steps` where it fits and otherwise trains fewer steps
 over a cosine schedule that still ends at its minimum:
 
-1. The budget counts from the start of the run (train.py: before the target loads, so data
-   generation and the feature cache spend it too).
+1. The budget counts from the start of the run: train.py's process start (`process_started`:
+   the interpreter's imports take a few seconds), so data generation and the feature cache
+   spend it too.
 2. Plan: once the loop has timed its steps and, where the run validates periodically, its first
    validation, it computes the longest run (up to the recipe's length) whose remaining steps,
    periodic validations, checkpoints and final validation fit in what is left
@@ -33,6 +34,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+
+def process_started(clock: Callable[[], float] = time.monotonic) -> float:
+    """The `clock` reading at which this process started, from its age as the OS reports it
+    (psutil, which Accelerate installs); the reading now where the age cannot be read."""
+    try:
+        import psutil
+
+        age = time.time() - psutil.Process().create_time()
+    except (ImportError, OSError):
+        age = 0.0
+    return clock() - max(0.0, age)
 
 
 @dataclass(frozen=True)

@@ -155,9 +155,13 @@ def engine_gguf(data_cfg: DataConfig, model_cfg) -> None:
         sd.gguf = str(gguf_for_target(model_cfg, TargetGGUF.parse(sd.gguf)))
 
 
-def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> TrainResult:
-    """Train the configured head; returns the TrainResult (the head lands in run_dir/head)."""
-    started = time.monotonic()  # trainer.time_budget_min counts from here
+def run(
+    cfg: DictConfig, run_dir: str | os.PathLike | None = None, started: float | None = None
+) -> TrainResult:
+    """Train the configured head; returns the TrainResult (the head lands in run_dir/head).
+    trainer.time_budget_min counts from `started` (a time.monotonic() reading; train.py passes
+    its process's start), else from this call."""
+    started = time.monotonic() if started is None else started
     run_dir = Path(run_dir or _hydra_run_dir())
     # the settings first: a typo should not wait for the target and the data to load
     trainer_cfg: TrainerConfig = instantiate(cfg.trainer)
