@@ -191,6 +191,16 @@ def test_a_run_of_several_target_types_names_each_and_the_fastest_plain(tmp_path
     )
 
 
+def test_engine_rows_count_changes_against_the_engines_own_plain_output():
+    """An engine's draft is judged against the same engine's plain decoding (bf16 compute in
+    OpenVINO changes answers against HF before any draft does); the harness's against HF."""
+    overall = {"requests": 80, "baseline_mismatches": 34, "greedy_mismatches": 31}
+    assert results_table._changed("openvino_draft", overall) == "34/80"
+    assert results_table._changed("llama_cpp_draft@q4_0", overall) == "34/80"
+    near = {**overall, "near_tie_mismatches": 3}
+    assert results_table._changed("chain3", near) == "31/80 (3 near ties)"
+
+
 # ---- links and length -----------------------------------------------------------------------
 
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*(?:<([^>]*)>|([^)\s]+))(?:\s+\"[^\"]*\")?\s*\)")

@@ -212,9 +212,10 @@ def _speedup(meta: dict, entry: dict) -> str:
 
 
 def _changed(key: str, overall: dict) -> str:
-    """Outputs that differ from the method's own engine's greedy decoding."""
+    """Outputs that differ from the method's own engine's greedy decoding: for an engine method
+    (llama.cpp, OpenVINO) its engine's plain output, whose kernels differ from HF's."""
     n = overall["requests"]
-    if key.startswith("llama_cpp_"):
+    if key.startswith(("llama_cpp_", "openvino_")):
         return f"{overall.get('baseline_mismatches', 0)}/{n}"
     near = overall.get("near_tie_mismatches", 0)
     text = f"{overall['greedy_mismatches']}/{n}"
