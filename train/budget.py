@@ -35,15 +35,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import psutil
+
 
 def process_started(clock: Callable[[], float] = time.monotonic) -> float:
     """The `clock` reading at which this process started, from its age as the OS reports it
-    (psutil, which Accelerate installs); the reading now where the age cannot be read."""
+    (psutil); the reading now where the OS will not say."""
     try:
-        import psutil
-
         age = time.time() - psutil.Process().create_time()
-    except (ImportError, OSError):
+    except psutil.Error:  # psutil's own errors (access denied and the like), not OSError
         age = 0.0
     return clock() - max(0.0, age)
 
