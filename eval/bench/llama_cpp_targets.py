@@ -1,4 +1,4 @@
-"""Several llama.cpp target types in one benchmark run, and the fastest plain one.
+"""Several target types of an engine in one benchmark run, and its fastest plain one.
 
 `llama_cpp.target_gguf` takes one choice (`auto`, a type, a .gguf path) or a list of them,
 e.g. `llama_cpp.target_gguf=[q4_0,bf16,auto]`. With a list, every llama.cpp method runs once
@@ -11,6 +11,11 @@ embedded Q4_1 file verifies row by row on x86, so a draft there beats its own ba
 staying slower than plain Q4_0. So every llama.cpp method also gets `speedup_vs_fastest_plain`:
 its tokens/s over that of the fastest `llama_cpp_plain*` method of the same run on the same
 requests, and the summary's meta names that method and its GGUF type (`fastest_plain`).
+
+OpenVINO's methods get the same, against the fastest `openvino_plain*` method: its
+`openvino.weights` may be a list too (f32, f16, int8, int4 IR weights, eval/bench/openvino.py),
+and 4-bit weights are what makes OpenVINO's plain decoding fastest on a small CPU.
+`meta.fastest_plain_by_engine` holds each engine's; a speedup is never taken across engines.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ from pathlib import Path
 from eval.engine.method_names import split_name
 
 PLAIN = "llama_cpp_plain"
+ENGINE_PLAINS = {"llama_cpp": PLAIN, "openvino": "openvino_plain"}  # engine: its plain method
+ENGINE_TITLES = {"llama_cpp": ("llama.cpp", "GGUF type"), "openvino": ("OpenVINO", "IR weights")}
 DEFINITION = (
-    "llama.cpp methods: tokens_per_s of the method / tokens_per_s of the fastest plain llama.cpp "
-    "type measured in the same run on the same requests (meta.fastest_plain names it); with one "
-    "target type it is that type's `llama_cpp_plain`."
+    "llama.cpp and OpenVINO methods: tokens_per_s of the method / tokens_per_s of the fastest "
+    "plain type of the same engine measured in the same run on the same requests "
+    "(meta.fastest_plain_by_engine names it); with one target type it is that type's plain method."
 )
 
 
@@ -51,70 +58,92 @@ def resolve_target_ggufs(model_cfg, choice) -> tuple[str | dict[str, str], dict[
     return path, {"": gguf_type_name(path)}
 
 
-def fastest_plain(methods: dict) -> str | None:
-    """The `llama_cpp_plain*` method with the most overall tokens/s (None: no plain llama.cpp
-    method has a rate). `methods`: summary["methods"]."""
+def fastest_plain(methods: dict, plain: str = PLAIN) -> str | None:
+    """The `<plain>*` method (default `llama_cpp_plain`) with the most overall tokens/s (None: no
+    such method has a rate). `methods`: summary["methods"]."""
     rates = {
         name: entry["overall"].get("tokens_per_s")
         for name, entry in methods.items()
-        if split_name(name)[0] == PLAIN
+        if split_name(name)[0] == plain
     }
     rates = {n: r for n, r in rates.items() if r}
     return max(rates, key=rates.get) if rates else None
 
 
+def _types(meta: dict, engine: str) -> dict:
+    """{label: weight type} of `engine`'s target entries in this run ("" for a single one)."""
+    settings = meta.get(engine) or {}
+    if engine == "llama_cpp":
+        return settings.get("resolved_types") or {}
+    weights = settings.get("weights")  # openvino: the labels are the weight types themselves
+    if isinstance(weights, (list, tuple)):
+        return {str(w): str(w) for w in weights}
+    return {"": str(weights)} if weights else {}
+
+
 def add_fastest_plain(summary: dict) -> None:
-    """Add `speedup_vs_fastest_plain` to every llama.cpp method (overall and per category) and
-    `meta.fastest_plain` = {method, type, tokens_per_s}; nothing without a plain llama.cpp run."""
-    methods = summary["methods"]
-    best = fastest_plain(methods)
-    if best is None:
-        return
-    types = (summary["meta"].get("llama_cpp") or {}).get("resolved_types") or {}
-    best_overall = methods[best]["overall"]
-    summary["meta"]["fastest_plain"] = {
-        "method": best,
-        "type": types.get(split_name(best)[1]),
-        "tokens_per_s": best_overall["tokens_per_s"],
-    }
-    summary["definitions"]["speedup_vs_fastest_plain"] = DEFINITION
-    for name, entry in methods.items():
-        if not name.startswith("llama_cpp_"):
+    """Add `speedup_vs_fastest_plain` to every method of an engine with a plain run (llama.cpp,
+    OpenVINO; overall and per category): against the fastest plain method of *that* engine.
+    `meta.fastest_plain_by_engine[engine]` = {method, type, tokens_per_s}; `meta.fastest_plain`
+    keeps llama.cpp's, as before. Nothing for an engine without a plain run."""
+    methods, meta = summary["methods"], summary["meta"]
+    for engine, plain in ENGINE_PLAINS.items():
+        best = fastest_plain(methods, plain)
+        if best is None:
             continue
-        groups = [(entry["overall"], best_overall)]
-        groups += [(m, methods[best]["categories"].get(c)) for c, m in entry["categories"].items()]
-        for metrics, base in groups:
-            ok = base and base.get("tokens_per_s") and metrics.get("tokens_per_s")
-            metrics["speedup_vs_fastest_plain"] = (
-                metrics["tokens_per_s"] / base["tokens_per_s"] if ok else None
-            )
+        best_overall = methods[best]["overall"]
+        found = {
+            "method": best,
+            "type": _types(meta, engine).get(split_name(best)[1]),
+            "tokens_per_s": best_overall["tokens_per_s"],
+        }
+        meta.setdefault("fastest_plain_by_engine", {})[engine] = found
+        if engine == "llama_cpp":
+            meta["fastest_plain"] = found
+        summary["definitions"]["speedup_vs_fastest_plain"] = DEFINITION
+        for name, entry in methods.items():
+            if not name.startswith(f"{engine}_"):
+                continue
+            groups = [(entry["overall"], best_overall)]
+            groups += [
+                (m, methods[best]["categories"].get(c)) for c, m in entry["categories"].items()
+            ]
+            for metrics, base in groups:
+                ok = base and base.get("tokens_per_s") and metrics.get("tokens_per_s")
+                metrics["speedup_vs_fastest_plain"] = (
+                    metrics["tokens_per_s"] / base["tokens_per_s"] if ok else None
+                )
 
 
 def fastest_plain_lines(summary: dict) -> list[str]:
-    """report.md: the fastest plain type and each llama.cpp method against it and its own."""
-    found = summary["meta"].get("fastest_plain")
-    if not found:
-        return []
+    """report.md: per engine, its fastest plain type and each of its methods against that and
+    against its own type's plain decoding."""
+    by_engine = summary["meta"].get("fastest_plain_by_engine") or {}
+    if not by_engine and summary["meta"].get("fastest_plain"):  # summaries written before
+        by_engine = {"llama_cpp": summary["meta"]["fastest_plain"]}
 
     def fmt(v):
         return "-" if v is None else f"{v:.2f}"
 
-    lines = [
-        "",
-        "## llama.cpp against the fastest plain type",
-        "",
-        f"Fastest plain llama.cpp decoding in this run: `{found['method']}` (GGUF type "
-        f"{found['type'] or '?'}, {found['tokens_per_s']:.1f} tokens/s).",
-        "",
-        "| method | tokens/s | speedup vs its own type's plain | speedup vs fastest plain |",
-        "|---|---|---|---|",
-    ]
-    for name, entry in summary["methods"].items():
-        m = entry["overall"]
-        if "speedup_vs_fastest_plain" in m:
-            rate = "-" if m["tokens_per_s"] is None else f"{m['tokens_per_s']:.1f}"
-            lines.append(
-                f"| {name} | {rate} | {fmt(m['speedup_vs_plain'])} | "
-                f"{fmt(m['speedup_vs_fastest_plain'])} |"
-            )
+    lines: list[str] = []
+    for engine, found in by_engine.items():
+        title, kind = ENGINE_TITLES.get(engine, (engine, "type"))
+        lines += [
+            "",
+            f"## {title} against the fastest plain type",
+            "",
+            f"Fastest plain {title} decoding in this run: `{found['method']}` ({kind} "
+            f"{found['type'] or '?'}, {found['tokens_per_s']:.1f} tokens/s).",
+            "",
+            "| method | tokens/s | speedup vs its own type's plain | speedup vs fastest plain |",
+            "|---|---|---|---|",
+        ]
+        for name, entry in summary["methods"].items():
+            m = entry["overall"]
+            if name.startswith(f"{engine}_") and "speedup_vs_fastest_plain" in m:
+                rate = "-" if m["tokens_per_s"] is None else f"{m['tokens_per_s']:.1f}"
+                lines.append(
+                    f"| {name} | {rate} | {fmt(m['speedup_vs_plain'])} | "
+                    f"{fmt(m['speedup_vs_fastest_plain'])} |"
+                )
     return lines

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from data.errors import ConfigError
 from eval.bench.methods import Record
+from eval.engine.method_names import typed_name
 from eval.engine.tree_spec import TreeSpec, resolve_tree
 
 OPENVINO_METHODS = ("openvino_plain", "openvino_draft")
@@ -46,10 +47,15 @@ PRECISIONS = {
 class OpenVinoSettings:
     """bench's `openvino` block: the exported folders and the pipeline's settings."""
 
-    target_dir: str | None = None  # null: the run's target, exported once into the model cache
+    # null: the run's target, exported once per weight type into the model cache; resolved to a
+    # folder, or {weight type: folder} when `weights` is a list
+    target_dir: Any = None
     draft_dir: str | None = None  # null: head_path's head, exported into the run dir
     tree: Any = 3  # a chain length, {depth, top_k, total_tokens}, a conf/tree name; null: `tree`
-    weights: str = "f32"  # f32 or f16 IR weights
+    # the target's IR weights: f32, f16, int8 or int4 (weight-only), or a list of them: every
+    # OpenVINO method then runs once per type, named `<method>@<type>`
+    weights: Any = "f32"
+    draft_weights: str = "f32"  # the draft's IR weights: f32 or f16
     threads: int = 2  # INFERENCE_NUM_THREADS of both models
     # null: the engine's defaults (CPU: a u8 KV cache; bf16 compute on CPUs with AMX/AVX512-BF16);
     # f32 + f32 make a tree verify round exactly like a one-token step
@@ -64,6 +70,20 @@ class OpenVinoSettings:
                 raise ConfigError(
                     f"openvino.{name}={value!r}: use one of {', '.join(allowed)}, or null."
                 )
+        from heads.interop.openvino import DRAFT_WEIGHT_TYPES, WEIGHT_TYPES
+
+        types = list(self.weights) if isinstance(self.weights, (list, tuple)) else [self.weights]
+        bad = [w for w in types if w not in WEIGHT_TYPES]
+        if not types or bad or len(set(types)) != len(types):
+            raise ConfigError(
+                f"openvino.weights={self.weights!r}: use one of {', '.join(WEIGHT_TYPES)}, or a "
+                "list of distinct ones."
+            )
+        if self.draft_weights not in DRAFT_WEIGHT_TYPES:
+            raise ConfigError(
+                f"openvino.draft_weights={self.draft_weights!r}: use "
+                f"{' or '.join(DRAFT_WEIGHT_TYPES)}."
+            )
         if self.threads < 1 or self.cache_size_gb <= 0:
             raise ConfigError("openvino.threads must be >= 1 and openvino.cache_size_gb > 0.")
 
@@ -131,6 +151,7 @@ class OpenVinoMethod:
         eos_ids: list[int],
         draft_dir: str | Path | None = None,
         draft: dict[str, int] | None = None,
+        label: str = "",
     ) -> None:
         self.name, self.settings, self.eos_ids = name, settings, list(eos_ids)
         self.target_dir, self.draft_dir, self.draft = target_dir, draft_dir, dict(draft or {})
@@ -139,7 +160,7 @@ class OpenVinoMethod:
         self.max_draft_depth = self.draft.get("tree_depth") or self.draft.get(
             "num_assistant_tokens", 0
         )
-        self.baseline = "openvino_plain" if draft_dir is not None else None
+        self.baseline = typed_name("openvino_plain", label) if draft_dir is not None else None
         self.pipe = None
 
     def _pipeline(self):
@@ -212,28 +233,36 @@ def _draft_seconds(result) -> float:
 def build_openvino_methods(
     names, settings: OpenVinoSettings, run_tree: TreeSpec | None, eos_ids: list[int]
 ) -> list[OpenVinoMethod]:
-    """The OpenVINO methods among `names`, in that order (settings resolved: folders given)."""
+    """The OpenVINO methods among `names`, in that order (settings resolved: folders given); with
+    several target folders ({weight type: folder}), each method once per type, `<method>@<type>`."""
     from heads.interop.openvino import require_openvino
 
     require_openvino(genai=True)
     if not settings.target_dir:
         raise ValueError("OpenVINO methods need openvino.target_dir (resolve it first).")
+    targets = settings.target_dir
+    if not isinstance(targets, dict):
+        targets = {"": targets}
+    draft = None
+    if "openvino_draft" in names:
+        if not settings.draft_dir:
+            raise ValueError("openvino_draft needs openvino.draft_dir (or head_path).")
+        tree = resolve_tree(settings.tree) if settings.tree is not None else run_tree
+        if tree is None:
+            raise ConfigError("openvino.tree is null and the run has no tree.")
+        draft = genai_draft_config(tree)
     out = []
-    for name in names:
-        if name == "openvino_plain":
-            out.append(OpenVinoMethod(name, settings.target_dir, settings, eos_ids))
-        elif name == "openvino_draft":
-            if not settings.draft_dir:
-                raise ValueError("openvino_draft needs openvino.draft_dir (or head_path).")
-            tree = resolve_tree(settings.tree) if settings.tree is not None else run_tree
-            if tree is None:
-                raise ConfigError("openvino.tree is null and the run has no tree.")
-            draft = genai_draft_config(tree)
-            out.append(
-                OpenVinoMethod(
-                    name, settings.target_dir, settings, eos_ids, settings.draft_dir, draft
+    for label, folder in targets.items():
+        for name in names:
+            typed = typed_name(name, label)
+            if name == "openvino_plain":
+                out.append(OpenVinoMethod(typed, folder, settings, eos_ids, label=label))
+            elif name == "openvino_draft":
+                out.append(
+                    OpenVinoMethod(
+                        typed, folder, settings, eos_ids, settings.draft_dir, draft, label
+                    )
                 )
-            )
     return out
 
 
@@ -249,10 +278,17 @@ def openvino_settings(cfg, head, target, out_dir: Path) -> OpenVinoSettings:
     settings = OpenVinoSettings(**doc)
     if settings.target_dir is None:
         cache = cfg.model.get("cache_dir") or cache_root()
-        settings.target_dir = str(openvino_target_dir(target, cache, settings.weights))
+        if isinstance(settings.weights, (list, tuple)):
+            settings.weights = [str(w) for w in settings.weights]
+            settings.target_dir = {
+                w: str(openvino_target_dir(target, cache, w)) for w in settings.weights
+            }
+        else:
+            settings.target_dir = str(openvino_target_dir(target, cache, settings.weights))
     if settings.draft_dir is None and "openvino_draft" in cfg.methods:
         if head is None:
             raise ConfigError("openvino_draft needs head_path (or openvino.draft_dir).")
         folder = Path(out_dir) / "openvino-draft"
-        settings.draft_dir = str(export_openvino_draft(head, target, folder, settings.weights))
+        draft = export_openvino_draft(head, target, folder, settings.draft_weights)
+        settings.draft_dir = str(draft)
     return settings

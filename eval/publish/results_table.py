@@ -188,20 +188,28 @@ def _target(meta: dict, key: str) -> str | None:
         m = re.search(r"[.-](q\d+_\w+|bf16|f16|f32)\.gguf$", gguf, re.IGNORECASE)
         return f"{m.group(1).upper()} GGUF" if m else None
     if key.startswith("openvino_"):
-        weights = meta.get("openvino", {}).get("weights")
-        return f"{weights.upper()} IR" if weights else "OpenVINO IR"
+        weights = split_name(key)[1] or meta.get("openvino", {}).get("weights")
+        return f"{str(weights).upper()} IR" if weights else "OpenVINO IR"
     dtype = meta.get("target_dtype")
     return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
 
 
-def _speedup(meta: dict, entry: dict) -> str:
-    """Against the method's own baseline; a llama.cpp method of a run with several target types
-    also against the fastest plain type of that run, when that is another one."""
+def _fastest(meta: dict, key: str) -> dict | None:
+    """The fastest plain method of `key`'s engine in its run (older summaries: llama.cpp's)."""
+    engine = "openvino" if key.startswith("openvino_") else "llama_cpp"
+    found = (meta.get("fastest_plain_by_engine") or {}).get(engine)
+    return found or (meta.get("fastest_plain") if engine == "llama_cpp" else None)
+
+
+def _speedup(meta: dict, key: str, entry: dict) -> str:
+    """Against the method's own baseline; an engine method (llama.cpp, OpenVINO) of a run with
+    several target types also against the fastest plain type of its engine in that run, when
+    that is another one."""
     overall, base = entry["overall"], entry.get("baseline") or "plain"
     if overall.get("speedup_vs_plain") is not None:
         name = BASELINE_NAMES.get(split_name(base)[0], base)
         text = f"{overall['speedup_vs_plain']:.2f}x vs {name}"
-        fastest, vs_fastest = meta.get("fastest_plain"), overall.get("speedup_vs_fastest_plain")
+        fastest, vs_fastest = _fastest(meta, key), overall.get("speedup_vs_fastest_plain")
         if fastest and vs_fastest is not None and fastest["method"] != base:
             kind = (fastest.get("type") or split_name(fastest["method"])[1]).upper()
             text += f"; {vs_fastest:.2f}x vs fastest plain ({kind})"
@@ -257,7 +265,7 @@ def _rows_of_run(run: Run, summary: dict, specs: dict, where: Path) -> list[Row]
                 new_tokens=meta.get("bench", {}).get("max_new_tokens"),
                 tau=entry["overall"]["tau"],
                 tokens_per_s=entry["overall"].get("tokens_per_s"),
-                speedup=_speedup(meta, entry),
+                speedup=_speedup(meta, key, entry),
                 changed=_changed(key, entry["overall"]),
                 machine=machine,
                 date=run.date,

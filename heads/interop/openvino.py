@@ -26,7 +26,9 @@ sources (src/cpp/src/speculative_decoding/eagle3_model_transforms.cpp) and check
   paged-attention rewrite, which then fails with "Model references undeclared parameters".
 
 Weights are written in f32 (exact against the harness) or f16 (half the disk; CPU decompresses
-them at load). Folders are written atomically; `openvino_target_dir` caches a target's.
+them at load); a target also in int8 or int4 weight-only compression (openvino_weights.py), the
+types OpenVINO users serve on CPUs. Folders are written atomically; `openvino_target_dir` caches
+a target's per weight type.
 """
 
 from __future__ import annotations
@@ -48,9 +50,11 @@ from data.errors import ConfigError, DraftsmithError
 from heads.base import atomic_save_dir
 from heads.draft_layer import DraftDecoderLayer
 from heads.eagle3 import Eagle3Head
+from heads.interop.openvino_weights import COMPRESSED_TYPES, compress_weights
 
 MODEL_XML = "openvino_model.xml"
-WEIGHT_TYPES = ("f32", "f16")
+WEIGHT_TYPES = ("f32", "f16", "int8", "int4")  # int8/int4: weight-only (openvino_weights.py)
+DRAFT_WEIGHT_TYPES = ("f32", "f16")
 EXPORT_VERSION = 1  # bump when the IR layout changes: cached target folders are rebuilt
 _EXAMPLE_PAST, _EXAMPLE_NEW = 3, 2  # traced shapes (every dimension stays dynamic)
 # head switches GenAI's EAGLE-3 graph has no step for (a norm per fused layer before fc; the
@@ -283,6 +287,8 @@ def _save(model, folder: Path, weights: str) -> None:
     ov = require_openvino()
     if weights not in WEIGHT_TYPES:
         raise ConfigError(f"openvino weights={weights!r}: use one of {', '.join(WEIGHT_TYPES)}.")
+    if weights in COMPRESSED_TYPES:
+        compress_weights(model, weights)
     ov.save_model(model, folder / MODEL_XML, compress_to_fp16=weights == "f16")
 
 
@@ -349,6 +355,11 @@ def export_openvino_draft(head: Eagle3Head, target, out_dir, weights: str = "f32
         raise ConfigError(
             f"OpenVINO GenAI serves EAGLE-3 drafts; this head is {head.method!r}. Train an "
             "eagle3 head, or benchmark this one with the harness or llama.cpp."
+        )
+    if weights not in DRAFT_WEIGHT_TYPES:
+        raise ConfigError(
+            f"openvino draft weights={weights!r}: export the draft in f32 or f16 "
+            "(openvino.draft_weights); int8/int4 are for the target, whose matmuls dominate."
         )
     layer_ids = genai_layer_ids(head.config.aux_layers, target.num_layers)
     for switch in _UNSERVED_SWITCHES:  # EAGLE-3.1 options, where a head class has them
