@@ -115,8 +115,23 @@ def _clip(lengths: list[int], budget: int) -> list[int]:
     return out
 
 
-def test_target_ir_computes_hf_logits_and_the_draft_ir_carries_our_layout(ov_setup):
+def _feed(request, ids: torch.Tensor, past: int = 0) -> torch.Tensor:
+    """Logits of the stateful target IR for `ids` ([1, n]) after `past` tokens already fed."""
     import numpy as np
+
+    n = ids.shape[1]
+    out = request.infer(
+        {
+            "input_ids": ids.numpy().astype(np.int64),
+            "attention_mask": np.ones((1, past + n), dtype=np.int64),
+            "position_ids": np.arange(past, past + n, dtype=np.int64)[None],
+            "beam_idx": np.zeros(1, dtype=np.int32),
+        }
+    )
+    return torch.from_numpy(out["logits"].copy())
+
+
+def test_target_ir_computes_hf_logits_and_the_draft_ir_carries_our_layout(ov_setup):
     import openvino as ov
 
     from heads.interop.openvino import MODEL_XML
@@ -127,31 +142,16 @@ def test_target_ir_computes_hf_logits_and_the_draft_ir_carries_our_layout(ov_set
     request = compiled.create_infer_request()
     ids = prompts[:1]
     n = ids.shape[1]
-    out = request.infer(
-        {
-            "input_ids": ids.numpy(),
-            "attention_mask": np.ones((1, n), dtype=np.int64),
-            "position_ids": np.arange(n, dtype=np.int64)[None],
-            "beam_idx": np.zeros(1, dtype=np.int32),
-        }
-    )
-    got = torch.from_numpy(out["logits"].copy())
+    got = _feed(request, ids)
     with torch.no_grad():
         want = target.model(ids).logits
     assert torch.allclose(got, want, atol=1e-3, rtol=1e-4), (got - want).abs().max()
     # one more token through the stateful cache
     nxt = int(want[0, -1].argmax())
-    out = request.infer(
-        {
-            "input_ids": np.array([[nxt]], dtype=np.int64),
-            "attention_mask": np.ones((1, n + 1), dtype=np.int64),
-            "position_ids": np.array([[n]], dtype=np.int64),
-            "beam_idx": np.zeros(1, dtype=np.int32),
-        }
-    )
+    got = _feed(request, torch.tensor([[nxt]]), past=n)
     with torch.no_grad():
         want = target.model(torch.cat([ids, torch.tensor([[nxt]])], 1)).logits[:, -1:]
-    assert torch.allclose(torch.from_numpy(out["logits"].copy()), want, atol=1e-3, rtol=1e-4)
+    assert torch.allclose(got, want, atol=1e-3, rtol=1e-4)
 
     draft = ov.Core().read_model(str(draft_dir / MODEL_XML))
     assert draft.get_rt_info(["eagle3_mode"]).astype(str) == "True"

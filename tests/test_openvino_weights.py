@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.conftest import TINY_VOCAB
-from tests.test_openvino import _fit_head, _settings, _tiny_target
+from tests.test_openvino import _feed, _fit_head, _settings, _tiny_target
 
 pytest.importorskip("openvino_genai", reason="the [openvino] extra is part of set-up")
 
@@ -116,15 +116,7 @@ def test_a_compressed_target_computes_hf_logits_of_its_dequantised_weights(typed
     request = compiled.create_infer_request()
     ids = prompts[:1]
     n = ids.shape[1]
-    out = request.infer(
-        {
-            "input_ids": ids.numpy(),
-            "attention_mask": np.ones((1, n), dtype=np.int64),
-            "position_ids": np.arange(n, dtype=np.int64)[None],
-            "beam_idx": np.zeros(1, dtype=np.int32),
-        }
-    )
-    got = torch.from_numpy(out["logits"].copy())
+    got = _feed(request, ids)
     model = _dequantised_copy(target, kind)
     with torch.no_grad():
         want = model(ids).logits
@@ -132,17 +124,10 @@ def test_a_compressed_target_computes_hf_logits_of_its_dequantised_weights(typed
     assert torch.allclose(got, want, atol=2e-3, rtol=1e-4), (got - want).abs().max()
     assert (full - want).abs().max() > 20 * (got - want).abs().max()  # the types differ
     nxt = int(want[0, -1].argmax())
-    out = request.infer(
-        {
-            "input_ids": np.array([[nxt]], dtype=np.int64),
-            "attention_mask": np.ones((1, n + 1), dtype=np.int64),
-            "position_ids": np.array([[n]], dtype=np.int64),
-            "beam_idx": np.zeros(1, dtype=np.int32),
-        }
-    )
+    got = _feed(request, torch.tensor([[nxt]]), past=n)
     with torch.no_grad():
         want = model(torch.cat([ids, torch.tensor([[nxt]])], 1)).logits[:, -1:]
-    assert torch.allclose(torch.from_numpy(out["logits"].copy()), want, atol=2e-3, rtol=1e-4)
+    assert torch.allclose(got, want, atol=2e-3, rtol=1e-4)
 
 
 def test_a_run_of_several_weight_types_names_each_and_its_engines_fastest_plain(
