@@ -96,6 +96,10 @@ class DataConfig:
         `sources`): validation is then exactly these, whatever the training data (e.g. to
         compare runs on growing data against one fixed held-out set); val_fraction is not used,
         and a training conversation equal to a held-out one is dropped from training.
+    mix_sources: conversations added to the training split as they are (teacher-forced: the
+        target's own logits are still the labels), beside self-distilled answers or `sources`;
+        never part of validation, so held-out numbers stay comparable. Their features cost only
+        the cache's forward pass, not generation (DataSource entries, as `sources`).
     max_train_examples / max_train_tokens / max_val_examples: keep at most that many training
         conversations, training answer (loss) tokens, validation conversations; 0 or null: all.
     features: "memory" (computed on first read, kept), "disk" (a sharded cache folder, reused
@@ -115,6 +119,7 @@ class DataConfig:
     val_fraction: float = 0.05
     split_seed: int = 0
     val_sources: list = field(default_factory=list)
+    mix_sources: list = field(default_factory=list)
     max_train_examples: int | None = None
     max_train_tokens: int | None = None
     max_val_examples: int | None = 64
@@ -127,6 +132,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         self.sources = [_source(s, i) for i, s in enumerate(self.sources or [])]
         self.val_sources = [_source(s, i) for i, s in enumerate(self.val_sources or [])]
+        self.mix_sources = [
+            _source(s, i, "mix_sources") for i, s in enumerate(self.mix_sources or [])
+        ]
         if not isinstance(self.self_distill, SelfDistillSettings):
             self.self_distill = SelfDistillSettings(**(self.self_distill or {}))
         _check(
@@ -166,7 +174,7 @@ class DataConfig:
             template_text(self.chat_template)  # a missing template file is named now
 
 
-def _source(entry: Any, index: int) -> DataSource:
+def _source(entry: Any, index: int, key: str = "sources") -> DataSource:
     if isinstance(entry, DataSource):
         return entry
     if isinstance(entry, str):
@@ -174,8 +182,8 @@ def _source(entry: Any, index: int) -> DataSource:
     if isinstance(entry, Mapping) and "_target_" not in entry:
         return DataSource(**entry)
     raise ConfigError(
-        f"data.sources[{index}]={entry!r}: give a path, or a mapping with path and optionally "
-        "format, max_rows, weight, split."
+        f"data.{key}[{index}]={entry!r}: give a path, or a mapping with path and optionally "
+        "format, max_rows, skip, weight, split."
     )
 
 

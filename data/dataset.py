@@ -44,7 +44,8 @@ class DataSource:
 
     path: a .json / .jsonl file, a local dataset folder or a hub dataset name.
     format: "auto" (detect per row), "sharegpt", "openai" or "alpaca".
-    max_rows: read at most this many rows (the first ones), or all when None.
+    max_rows: read at most this many rows (the first ones after `skip`), or all when None.
+    skip: leave out the first `skip` rows (e.g. the ones another stage already uses).
     weight: repeat the source's conversations this many times (2.0 doubles it, 0.5 keeps the
         first half), to balance a mixture.
     split: the split to load for hub datasets / dataset folders.
@@ -55,6 +56,7 @@ class DataSource:
     max_rows: int | None = None
     weight: float = 1.0
     split: str = "train"
+    skip: int = 0
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -63,6 +65,8 @@ class DataSource:
             raise ConfigError(f"DataSource.max_rows={self.max_rows}; use a positive int or null")
         if not self.weight > 0:
             raise ConfigError(f"DataSource.weight={self.weight}; use a positive number")
+        if not (isinstance(self.skip, int) and self.skip >= 0):
+            raise ConfigError(f"DataSource.skip={self.skip!r}; use a row count >= 0")
 
 
 def load_conversations(sources: Sequence[DataSource]) -> list[Conversation]:
@@ -71,7 +75,12 @@ def load_conversations(sources: Sequence[DataSource]) -> list[Conversation]:
         raise DataFormatError("no data sources given; set `data.sources` to at least one file")
     conversations: list[Conversation] = []
     for source in sources:
-        rows = read_conversations(source.path, source.format, source.max_rows, source.split)
+        last = None if source.max_rows is None else source.skip + source.max_rows
+        rows = read_conversations(source.path, source.format, last, source.split)[source.skip :]
+        if not rows:
+            raise DataFormatError(
+                f"{source.path}: no rows left after skip={source.skip}; lower `skip`"
+            )
         count = max(1, round(len(rows) * source.weight))
         conversations += [rows[i % len(rows)] for i in range(count)]
         log.info("data source %s: %d conversations (x%g)", source.path, len(rows), source.weight)

@@ -68,8 +68,22 @@ def prepare_data(
         train = token_budget(train, cfg.max_train_tokens)
     if cfg.max_val_examples:
         val = val[: cfg.max_val_examples]
+    if cfg.mix_sources:
+        train = train + mixed_examples(cfg, target.tokenizer, val)
     log.info("train %s | val %s", corpus_stats(train), corpus_stats(val))
     return PreparedData(train, val)
+
+
+def mixed_examples(cfg: DataConfig, tokenizer: Any, val: list[Example]) -> list[Example]:
+    """`data.mix_sources` tokenized, less any conversation equal to a held-out one."""
+    sources = [dataclasses.replace(s, path=str(resolve_path(s.path))) for s in cfg.mix_sources]
+    conversations = load_conversations(sources)
+    mixed = build_examples(conversations, tokenizer, cfg.max_length, cfg.chat_template)
+    held_out = {tuple(e["input_ids"].tolist()) for e in val}
+    kept = [e for e in mixed if tuple(e["input_ids"].tolist()) not in held_out]
+    log.info("mix_sources: %s added to training (%d equal to held-out ones dropped)",
+             corpus_stats(kept), len(mixed) - len(kept))  # fmt: skip
+    return kept
 
 
 def self_distilled_source(

@@ -244,3 +244,70 @@ def test_val_sources_fix_the_held_out_set(tmp_path):
     texts = [tok.decode(e["input_ids"]) for e in data.val]
     assert ["q3" in texts[0], "q20" in texts[1], "q21" in texts[2]] == [True] * 3
     assert not any("q3<" in tok.decode(e["input_ids"]) for e in data.train)
+
+
+def _write_convs(path, ids, answer="answer"):
+    def row(i):
+        return {"messages": [{"role": "user", "content": f"q{i}"},
+                             {"role": "assistant", "content": f"{answer} {i}"}]}  # fmt: skip
+
+    rows = [row(i) for i in ids]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_mix_sources_train_only_and_uncapped(tmp_path):
+    """data.mix_sources join the training split after the split and the caps: validation and
+    max_train_examples see only the main data, and a mixed conversation equal to a held-out one
+    is dropped."""
+    from data.config import DataConfig
+    from data.prepare import prepare_data
+    from tests.conftest import make_tokenizer
+
+    main = _write_convs(tmp_path / "main.jsonl", range(20))
+    mix = _write_convs(tmp_path / "mix.jsonl", (100, 200, 201, 202), answer="human")
+
+    class Target:
+        tokenizer = make_tokenizer()
+
+    tok = Target.tokenizer
+    plain = prepare_data(DataConfig(sources=[main], max_train_examples=5), Target())
+    mixed = prepare_data(
+        DataConfig(sources=[main], mix_sources=[mix], max_train_examples=5), Target()
+    )
+    assert [tok.decode(e["input_ids"]) for e in mixed.val] == [
+        tok.decode(e["input_ids"]) for e in plain.val
+    ]
+    assert len(plain.train) == 5 and len(mixed.train) == 5 + 4
+    assert sum("human 20" in tok.decode(e["input_ids"]) for e in mixed.train) == 3
+    # a mixed conversation identical to a held-out one is not trained on
+    held = prepare_data(
+        DataConfig(sources=[main], val_sources=[mix], mix_sources=[mix], max_val_examples=0),
+        Target(),
+    )
+    assert len(held.val) == 4 and len(held.train) == 20
+
+
+def test_mix_sources_bad_entry_names_the_key():
+    from data.config import DataConfig
+    from data.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"data\.mix_sources\[0\]"):
+        DataConfig(sources=["x.jsonl"], mix_sources=[3])
+
+
+def test_data_source_skip(tmp_path):
+    """DataSource.skip leaves out the first conversations; max_rows counts after it; a skip
+    past the end is a one-line error naming the fix."""
+    from data.dataset import DataSource, load_conversations
+    from data.errors import ConfigError
+    from data.json_files import DataFormatError
+
+    path = _write_convs(tmp_path / "rows.jsonl", range(10))
+    rows = load_conversations([DataSource(path, skip=3, max_rows=4)])
+    assert [r[0]["content"] for r in rows] == ["q3", "q4", "q5", "q6"]
+    assert len(load_conversations([DataSource(path, skip=8)])) == 2
+    with pytest.raises(DataFormatError, match="lower `skip`"):
+        load_conversations([DataSource(path, skip=10)])
+    with pytest.raises(ConfigError, match="skip"):
+        DataSource(path, skip=-1)
