@@ -24,13 +24,9 @@ them load unchanged): `fc_norm` gives each fused target layer an RMSNorm of its 
 h_t = fc([n_a(a_t); n_b(b_t); n_c(c_t)]), which evens out the layers' very different scales; and
 `norm_output` feeds the post-norm state norm(out) (the one lm_head reads) to the next step instead
 of the layer's residual output, in training-time test and when drafting alike, so the state fed
-back keeps one scale however deep the draft goes. Training may add noise to the target features
-fc reads (`feature_noise`, EAGLE-1's and HASS's augmentation): the draft then learns from inputs
-as imperfect as its own later steps are. Two loss variants: `mask_after_miss` (GRIFFIN-style)
-trains step i only on rows whose steps 0..i-1 all predicted the target's top-1, the rows a greedy
-chain reaches (the stats `step{i}/chain_top1`, logged always, are the accuracy there: a chain's
-acceptance at each depth); `hass_topk` adds HASS's top-K distillation term. `init_from_target`
-starts the draft layer as a copy of a target layer (heads/eagle3_target.py).
+back keeps one scale however deep the draft goes. Eagle3Config describes the training-only
+regularisers (`feature_noise`, `dropout`), the loss variants (`mask_after_miss`, GRIFFIN;
+`hass_topk`, HASS) and `init_from_target` (heads/eagle3_target.py).
 
 Loss positions: row t at step i counts when x_{t+i+2} is an assistant token and (as in
 SpecForge) the target's own greedy token there lies inside the draft vocabulary: where it does
@@ -97,6 +93,9 @@ class Eagle3Config:
     # N(0, a^2), a = feature_noise. 0 disables.
     feature_noise: float = 0.0
     feature_noise_type: str = "uniform"
+    # Dropout while training on the fused features and on each unrolled step's output state (to
+    # lm_head and the next step): for heads that see their data many times. 0 disables.
+    dropout: float = 0.0
     # GRIFFIN-style: step i trains only on rows whose steps 0..i-1 all predicted the target's
     # top-1 (the rows a greedy chain would reach); the stats still cover every row
     mask_after_miss: bool = False
@@ -125,6 +124,8 @@ class Eagle3Config:
         check_horizon(self.estimate_horizon)
         if not self.feature_noise >= 0:
             raise ValueError(f"head.feature_noise={self.feature_noise}: use >= 0 (0 disables).")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"head.dropout={self.dropout}: use a probability in [0, 1), 0 off.")
         if self.hass_topk < 0 or not self.hass_weight >= 0:
             raise ValueError(
                 f"head.hass_topk={self.hass_topk}, head.hass_weight={self.hass_weight}: use 0 or "
@@ -263,6 +264,10 @@ class Eagle3Head(nn.Module):
             return aux + torch.randn_like(aux) * scale
         return aux + (torch.rand_like(aux) - 0.5) * scale
 
+    def dropped(self, x: Tensor) -> Tensor:  # `dropout` while training; x itself otherwise
+        p = self.config.dropout
+        return F.dropout(x, p, training=True) if p and self.training else x
+
     def draft_hidden(
         self,
         tokens: Tensor,
@@ -376,7 +381,7 @@ class Eagle3Head(nn.Module):
         argmax = batch.get("target_argmax")
         probs, index, usable = self.soft_targets(features["hidden"].to(device), labelled, argmax)
         aux = features["aux"].to(device, self.fc.weight.dtype)
-        hidden = self.fuse(self.noisy(aux) if self.training else aux)  # (B, T, H)
+        hidden = self.dropped(self.fuse(self.noisy(aux) if self.training else aux))  # (B, T, H)
         cache = DraftCache()
         positions = batch_positions(batch, T)  # (B, T)
         segments = batch.get("segment_ids")
@@ -393,7 +398,7 @@ class Eagle3Head(nn.Module):
             tokens = shift_left(ids, i + 1)  # row t: x_{t+i+1}
             mask = ttt_attention_mask(T, i, device, segments)
             mask = mask if segments is not None else mask[None, None]
-            hidden = self.draft_hidden(tokens, hidden, positions + i, cache, mask)
+            hidden = self.dropped(self.draft_hidden(tokens, hidden, positions + i, cache, mask))
             if greedy is not None:
                 chain.append(self.chain_hits(hidden, greedy, batch, i))
             # row t predicts x_{t+i+2}: the target's distribution at position t+i+1

@@ -177,6 +177,7 @@ def test_ttt_unroll_equals_drafting_a_chain(tiny_llama, options):
         {"fc_norm": True, "norm_output": True, "feature_noise": 0.2},
         {"feature_noise": 0.1, "feature_noise_type": "gaussian"},
         {"mask_after_miss": True, "hass_topk": 5},
+        {"dropout": 0.1},
     ],
 )
 def test_loss_falls_with_the_options_on(tiny_llama, options):
@@ -213,6 +214,26 @@ def test_feature_noise_only_while_training_and_of_its_size(tiny_llama, kind):
     else:
         assert abs(noise.std().item() - 1.0) < 0.01 and noise.abs().max() > 3
     assert torch.equal(_head(tiny_llama).noisy(torch.ones(3)), torch.ones(3))
+
+
+def test_dropout_only_while_training_and_of_its_rate(tiny_llama):
+    batch = _batch()
+    head = _head(tiny_llama, ttt_steps=2, dropout=0.3)
+    feats = _features(head, tiny_llama, batch)
+    head.eval()
+    a = head.loss(batch, feats).loss
+    plain = _head(tiny_llama, ttt_steps=2).eval()  # without dropout: the same eval loss
+    plain.load_state_dict(head.state_dict())
+    assert torch.equal(plain.loss(batch, feats).loss, a)
+    head.train()
+    torch.manual_seed(0)
+    b = head.loss(batch, feats).loss
+    assert torch.isfinite(b) and not torch.allclose(b, a)
+    kept = head.dropped(torch.ones(100_000))
+    assert abs((kept == 0).float().mean().item() - 0.3) < 0.01  # the rate it was given
+    assert torch.allclose(kept[kept != 0], torch.full_like(kept[kept != 0], 1 / 0.7))
+    plain.train()  # at 0 training leaves the state alone
+    assert torch.equal(plain.dropped(torch.ones(5)), torch.ones(5))
 
 
 def _reference_loss(head, target, batch, steps):
@@ -290,6 +311,9 @@ def test_config_validation():
         Eagle3Config(feature_noise_type="laplace")
     with pytest.raises(ValueError, match="hass_topk"):
         Eagle3Config(hass_topk=-1)
+    for rate in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="head.dropout="):
+            Eagle3Config(dropout=rate)
 
 
 # ---- checkpoints -----------------------------------------------------------------------------
