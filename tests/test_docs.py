@@ -41,14 +41,13 @@ def _script():
 
 def _a_readme_row(root: Path) -> tuple[Path, str]:
     """(summary.json, method key) of a row the README shows, whichever rows it shows today."""
-    for sidecar in sorted((root / "docs").rglob("source.json")):
-        for run in json.loads(sidecar.read_text())["runs"]:
-            numbers = sidecar.parent / run["numbers"]
-            if numbers.name != "summary.json":
-                continue
-            for key, spec in run.get("rows", {}).items():
-                if spec.get("readme"):
-                    return numbers, key
+    for sidecar, run in results_table._sidecar_runs(root / "docs"):
+        numbers = sidecar.parent / run["numbers"]
+        if numbers.name != "summary.json":
+            continue
+        for key, spec in run.get("rows", {}).items():
+            if spec.get("readme"):
+                return numbers, key
     raise AssertionError("no report row is marked for the README")
 
 
