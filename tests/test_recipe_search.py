@@ -107,6 +107,7 @@ def test_variants_from_a_file_with_a_base_and_common_overrides(tmp_path):
     [
         ("{a: [trainer.max_steps=5]}", "set by the search"),
         ("{a: [seed=3]}", "set by the search"),
+        ("{a: [trainer.time_budget_min=20]}", "set by the search"),
         ("{a: [notanoverride]}", "not a Hydra override"),
         ("{'a b': []}", "use letters"),
         ("[1, 2]", "mapping of variant name"),
@@ -242,6 +243,8 @@ def test_a_given_rate_skips_the_probe_and_seeds_share_the_steps(tmp_path):
     assert runs.scripts() == ["train.py", "evaluate.py"] * 2
     trains = [c for c in runs.calls if c[1] == "train.py"]
     assert all("trainer.max_steps=450" in c for c in trains)
+    # fixed steps: a recipe's wall-clock budget (eagle3_llama's 20 min) must not plan fewer
+    assert all("trainer.time_budget_min=0" in c for c in trains)
     assert {c for c in trains[0] if c.startswith("seed=")} == {"seed=0"}
     assert {c for c in trains[1] if c.startswith("seed=")} == {"seed=1"}
 

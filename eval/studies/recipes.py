@@ -265,13 +265,16 @@ def point_steps(cfg: SearchConfig, point: Point, files: dict, runner: Runner) ->
 def train_command(cfg, variant: Variant, seed: int, steps: int, run_dir: Path, files: dict,
                   probe: bool = False) -> list[str]:  # fmt: skip
     """train.py on the split's data for `steps` steps: validation on the held-out set at the
-    end only, no checkpoint-time tau (its wall time is the evaluation's job)."""
+    end only, no checkpoint-time tau (its wall time is the evaluation's job). The recipe's own
+    wall-clock budget (`trainer.time_budget_min`) is switched off: a point's steps are fixed, and
+    at one thread beside other jobs a 20-minute recipe would otherwise plan fewer."""
     overrides = [
         f"+experiment={variant.experiment}", "data.self_distill.enabled=false",
         f"data.sources=[{{path: '{files['train']}'}}]",
         f"data.val_sources=[{{path: '{files['val']}'}}]", "data.max_val_examples=0",
-        f"seed={seed}", f"trainer.max_steps={steps}", f"trainer.eval_every={steps}",
-        f"trainer.save_every={0 if probe else min(100, steps)}", "trainer.progress=false",
+        f"seed={seed}", f"trainer.max_steps={steps}", "trainer.time_budget_min=0",
+        f"trainer.eval_every={steps}", f"trainer.save_every={0 if probe else min(100, steps)}",
+        "trainer.progress=false",
         "trainer.best_metric=null", "evaluators=[]", "logger.mode=disabled",
         *([f"trainer.log_every={max(1, steps // 6)}"] if probe else []),
         *variant.overrides, f"hydra.run.dir={run_dir}",

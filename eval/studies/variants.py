@@ -20,8 +20,8 @@ from data.errors import ConfigError
 
 # set by the search itself; a variant may not change them
 RESERVED = {
-    "trainer.max_steps", "trainer.num_epochs", "seed", "trainer.seed", "hydra.run.dir",
-    "data.sources", "data.val_sources", "data.self_distill.enabled",
+    "trainer.max_steps", "trainer.num_epochs", "trainer.time_budget_min", "seed", "trainer.seed",
+    "hydra.run.dir", "data.sources", "data.val_sources", "data.self_distill.enabled",
 }  # fmt: skip
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 EXPERIMENTS = Path(__file__).resolve().parents[2] / "conf" / "experiment"
