@@ -44,7 +44,7 @@ from data.distill_work import WorkItem, run_batch, synthesis_specs, work_items
 from data.engines.hf_generation import HFGenerator
 from data.engines.server_generation import ServerBackendConfig, ServerGenerator
 from data.parts import append_rows, merge_parts, part_files, part_path, read_rows, repair_tail
-from data.paths import atomic_write, resolve_path
+from data.paths import atomic_write, resolve_path, sole_writer
 from data.synthesize import synthesis_spec, synthesize
 
 log = logging.getLogger(__name__)
@@ -291,7 +291,9 @@ def _distill_items(cfg, out, meta, synthesized, generator, rank, world_size, pro
     bar = _progress(len(todo), progress and rank == 0)
     t0 = time.perf_counter()
     if todo:
-        _generate_all(generator(), todo, cfg, meta, (mine_path, skipped_path(out)), stats, bar, t0)
+        with sole_writer(mine_path):  # two runs appending to one file would interleave rows
+            paths = (mine_path, skipped_path(out))
+            _generate_all(generator(), todo, cfg, meta, paths, stats, bar, t0)
     if bar is not None:
         bar.close()
     stats["tokens_per_s"] = stats["new_tokens"] / stats["seconds"] if stats["seconds"] else 0.0

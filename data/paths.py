@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -41,3 +42,30 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+@contextlib.contextmanager
+def sole_writer(path: Path) -> Iterator[None]:
+    """Hold an exclusive, non-blocking lock on `.NAME.lock` beside `path` for as long as the block
+    runs; a second process that wants to append to the same file meanwhile gets a one-line error
+    instead of interleaving its rows with the first one's. The lock goes with the process
+    (a kill frees it); the file is removed when the block ends."""
+    import fcntl
+
+    from data.errors import ConfigError
+
+    lock = path.with_name(f".{path.name}.lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(
+                f"another process is writing {path} (it holds {lock}): wait for it or stop it, "
+                "then run again; the run resumes from what is written."
+            ) from None
+        try:
+            yield
+        finally:  # removed while still held, so no finished run leaves lock files behind
+            lock.unlink(missing_ok=True)
+            fcntl.flock(f, fcntl.LOCK_UN)

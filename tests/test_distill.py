@@ -13,7 +13,9 @@ from data import normalize_row
 from data.chat import ChatEncoder
 from data.distill import DistillConfig, distill, done_keys
 from data.engines.hf_generation import HFGenerator
+from data.errors import ConfigError
 from data.parts import repair_tail
+from data.paths import sole_writer
 from data.row_checks import RowSkipped
 from eval.engine.generator import plain_greedy
 
@@ -127,6 +129,17 @@ def test_a_killed_run_resumes_without_loss_or_duplicates(tiny_llama, tmp_path, m
     assert len(ids) == len(set(ids)) == 5
     assert {r["id"]: r["messages"] for r in rows} == expected  # greedy: the same text
     assert distill(tiny_llama, cfg, progress=False)["rows"] == 0  # nothing left to do
+
+
+def test_a_second_writer_is_refused_and_loses_nothing(tiny_llama, tmp_path):
+    cfg = config(tmp_path)
+    with sole_writer(Path(cfg.out)):  # as if another run were appending to the same file
+        with pytest.raises(ConfigError, match="another process is writing .*sd.jsonl"):
+            distill(tiny_llama, cfg, progress=False)
+    assert not Path(cfg.out).exists() or rows_of(cfg.out) == []
+    assert distill(tiny_llama, cfg, progress=False)["rows"] == 5  # the lock went with the block
+    assert len(rows_of(cfg.out)) == 5
+    assert not list(tmp_path.glob(".*.lock"))  # no lock file left behind
 
 
 def test_another_dtype_generates_on_a_cast_copy(tiny_llama, tmp_path):
