@@ -1,12 +1,15 @@
-"""Where relative paths in configs point: the working directory first, then the repository."""
+"""Where relative paths in configs point, and how files are written: atomically, under a lock."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from data.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,27 +48,36 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
 
 
 @contextlib.contextmanager
+def locked(path: Path, wait: bool = True) -> Iterator[bool]:
+    """An exclusive lock on `path` (created); yields False at once when `wait` is off and
+    another process holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
 def sole_writer(path: Path) -> Iterator[None]:
-    """Hold an exclusive, non-blocking lock on `.NAME.lock` beside `path` for as long as the block
+    """Hold `locked` on `.NAME.lock` beside `path`, without waiting, for as long as the block
     runs; a second process that wants to append to the same file meanwhile gets a one-line error
     instead of interleaving its rows with the first one's. The lock goes with the process
     (a kill frees it); the file is removed when the block ends."""
-    import fcntl
-
-    from data.errors import ConfigError
-
     lock = path.with_name(f".{path.name}.lock")
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+    with locked(lock, wait=False) as mine:
+        if not mine:
             raise ConfigError(
                 f"another process is writing {path} (it holds {lock}): wait for it or stop it, "
                 "then run again; the run resumes from what is written."
-            ) from None
+            )
         try:
             yield
         finally:  # removed while still held, so no finished run leaves lock files behind
             lock.unlink(missing_ok=True)
-            fcntl.flock(f, fcntl.LOCK_UN)

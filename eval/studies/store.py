@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
-from data.paths import atomic_write
+from data.paths import atomic_write, locked  # locked: re-exported for the studies
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -22,23 +20,6 @@ def write_text(path: Path, text: str) -> None:
 
 def load_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
-
-
-@contextmanager
-def locked(path: Path, wait: bool = True) -> Iterator[bool]:
-    """An exclusive lock on `path` (created); yields False at once when `wait` is off and
-    another process holds it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def update_json(path: Path, change: Callable[[dict], None]) -> dict:
