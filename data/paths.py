@@ -47,6 +47,11 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
             os.remove(tmp)
 
 
+def lock_file(path: Path) -> Path:
+    """The lock file that guards `path`: `.NAME.lock` beside it (gitignored as `.*.lock`)."""
+    return path.with_name(f".{path.name}.lock")
+
+
 @contextlib.contextmanager
 def locked(path: Path, wait: bool = True) -> Iterator[bool]:
     """An exclusive lock on `path` (created); yields False at once when `wait` is off and
@@ -66,11 +71,11 @@ def locked(path: Path, wait: bool = True) -> Iterator[bool]:
 
 @contextlib.contextmanager
 def sole_writer(path: Path) -> Iterator[None]:
-    """Hold `locked` on `.NAME.lock` beside `path`, without waiting, for as long as the block
+    """Hold `locked` on `lock_file(path)`, without waiting, for as long as the block
     runs; a second process that wants to append to the same file meanwhile gets a one-line error
     instead of interleaving its rows with the first one's. The lock goes with the process
     (a kill frees it); the file is removed when the block ends."""
-    lock = path.with_name(f".{path.name}.lock")
+    lock = lock_file(path)
     with locked(lock, wait=False) as mine:
         if not mine:
             raise ConfigError(

@@ -6,7 +6,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from data.paths import atomic_write, locked  # locked: re-exported for the studies
+from data.paths import atomic_write, lock_file, locked  # locked: re-exported for the studies
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -25,7 +25,7 @@ def load_json(path: Path) -> dict:
 def update_json(path: Path, change: Callable[[dict], None]) -> dict:
     """Read `path`, apply `change` to it in place and write it back atomically, all under a lock
     file beside it: what other processes wrote meanwhile is kept."""
-    with locked(path.with_name(f".{path.name}.lock")):
+    with locked(lock_file(path)):
         doc = load_json(path)
         change(doc)
         write_text(path, json.dumps(doc, indent=2) + "\n")
