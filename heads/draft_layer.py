@@ -1,4 +1,4 @@
-"""The one decoder layer an EAGLE draft runs, and the key/value cache it drafts with.
+"""The decoder layer an EAGLE draft runs, and the key/value cache it drafts with.
 
 Llama-style whatever the target family: RMSNorm, grouped-query attention with rotary positions,
 SwiGLU MLP, no biases. Sizes and the rotary settings come from the target's HF config, so the
@@ -60,16 +60,27 @@ class LayerSpec:
 
 
 class DraftCache:
-    """Keys and values of the draft layer, `[B, kv_heads, S, head_dim]` each (one layer only).
+    """Keys and values of the draft's first layer, `[B, kv_heads, S, head_dim]` each; a draft
+    with more layers keeps theirs in `layer(i)`, which every layer's rows enter in the same order.
 
     `append` adds the q new rows and returns the whole cache; `crop(n)` keeps the first n
     entries; `gather(index)` keeps the entries at `index` (`[S']` or `[B, S']`), in that order,
-    e.g. the prefix plus an accepted tree path.
+    e.g. the prefix plus an accepted tree path. Both apply to every layer's cache alike, so the
+    callers that roll a draft back need not know how many layers it has.
     """
 
     def __init__(self) -> None:
         self.keys: Tensor | None = None
         self.values: Tensor | None = None
+        self.deeper: list[DraftCache] = []  # layers 1, 2, ... (made on first use)
+
+    def layer(self, index: int) -> DraftCache:
+        """The cache of draft layer `index`: this one for 0."""
+        if index == 0:
+            return self
+        while len(self.deeper) < index:
+            self.deeper.append(DraftCache())
+        return self.deeper[index - 1]
 
     @property
     def length(self) -> int:
@@ -89,8 +100,12 @@ class DraftCache:
         if self.keys is not None:
             self.keys = self.keys[:, :, :length]
             self.values = self.values[:, :, :length]
+        for cache in self.deeper:
+            cache.crop(length)
 
     def gather(self, index: Tensor) -> None:
+        for cache in self.deeper:
+            cache.gather(index)
         if self.keys is None:
             return
         index = index.to(self.keys.device, torch.long)

@@ -8,6 +8,10 @@ Differences from EAGLE-1 (heads/eagle.py):
   residual stream is h_t. The output is not regressed onto any target feature: a final `norm` and
   the draft's own `lm_head` [D, H] score a reduced vocabulary (the D most frequent training
   labels, heads/vocab.py d2t/t2d; rows initialised from the target's lm_head, then trained).
+- `num_layers` > 1 stacks plain pre-norm decoder layers on that layer's residual stream before
+  the final norm (vLLM's llama_eagle3 builds the same; SGLang, llama.cpp and OpenVINO GenAI serve
+  one layer, and the GGUF and OpenVINO exports refuse more). Each layer keeps its own keys and
+  values in the one DraftCache (`DraftCache.layer`), so drafting code is the same for any depth.
 - Training-time test (TTT): the draft is unrolled for `ttt_steps` steps. Step 0 reads the fused
   target features; step i > 0 reads the draft's own outputs of step i-1, exactly as at decoding
   time. Loss = sum_i decay**i * CE(draft, softmax of the target's logits over the draft vocab).
@@ -24,9 +28,9 @@ them load unchanged): `fc_norm` gives each fused target layer an RMSNorm of its 
 h_t = fc([n_a(a_t); n_b(b_t); n_c(c_t)]), which evens out the layers' very different scales; and
 `norm_output` feeds the post-norm state norm(out) (the one lm_head reads) to the next step instead
 of the layer's residual output, in training-time test and when drafting alike, so the state fed
-back keeps one scale however deep the draft goes. Eagle3Config describes the training-only
-regularisers (`feature_noise`, `dropout`), the loss variants (`mask_after_miss`, GRIFFIN;
-`hass_topk`, HASS) and `init_from_target` (heads/eagle3_target.py).
+back keeps one scale however deep the draft goes. Eagle3Config (heads/eagle3_config.py)
+describes the training-only regularisers (`feature_noise`, `dropout`), the loss variants
+(`mask_after_miss`, GRIFFIN; `hass_topk`, HASS) and `init_from_target` (heads/eagle3_target.py).
 
 Loss positions: row t at step i counts when x_{t+i+2} is an assistant token and (as in
 SpecForge) the target's own greedy token there lies inside the draft vocabulary: where it does
@@ -44,13 +48,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from heads.acceptance import chain_stats, check_horizon
+from heads.acceptance import chain_stats
 from heads.base import (
     FeatureDrafter,
     LossOutput,
@@ -66,76 +69,10 @@ from heads.base import (
 from heads.base import save_head as _save_head
 from heads.draft_layer import DraftCache, DraftDecoderLayer, LayerSpec, RMSNorm
 from heads.eagle import check_shapes, topk_hits
+from heads.eagle3_config import Eagle3Config
 from heads.eagle3_target import init_eagle3_from_target
 from heads.folder import load_head_tensors, load_weights, open_head, saved_tensor
 from heads.vocab import d2t_t2d, draft_to_target, frequent_ids, saved_draft_ids, target_to_draft
-
-NOISE_TYPES = ("uniform", "gaussian")
-
-
-@dataclass
-class Eagle3Config:
-    # HF hidden_states indices fused by fc (null: [2, N//2, N-3] for an N-layer target).
-    aux_layers: list[int] | None = None
-    draft_vocab_size: int | None = 32000  # null or >= the target vocab: the full vocabulary
-    ttt_steps: int = 7  # unrolled training-time-test steps
-    decay: float = 0.8  # step i's loss weight is decay**i
-    mask_outside_vocab: bool = True  # skip positions whose target argmax is outside the draft vocab
-    topk: int = 5
-    # EAGLE-3.1: an RMSNorm of its own on each fused target layer before fc (speculators' and
-    # vLLM's `fc_norm`, tensors fc_norm.{i}.weight)
-    fc_norm: bool = False
-    # EAGLE-3.1: feed the post-norm state, not the layer's residual output, to the next step
-    # (training-time test and drafting; speculators' and vLLM's `norm_output`)
-    norm_output: bool = False
-    # Noise on the target features fc reads, while training only: uniform U(-a/2, a/2) (EAGLE-1's
-    # convention, a = 0.2 there; speculators' noise_std s is U(-s, s), a = 2s) or gaussian
-    # N(0, a^2), a = feature_noise. 0 disables.
-    feature_noise: float = 0.0
-    feature_noise_type: str = "uniform"
-    # Dropout while training on the fused features and on each unrolled step's output state (to
-    # lm_head and the next step): for heads that see their data many times. 0 disables.
-    dropout: float = 0.0
-    # GRIFFIN-style: step i trains only on rows whose steps 0..i-1 all predicted the target's
-    # top-1 (the rows a greedy chain would reach); the stats still cover every row
-    mask_after_miss: bool = False
-    # HASS's top-K distillation: add hass_weight * -sum over the target's top hass_topk tokens
-    # of p log q to each step's loss (HASS: K = 10, weight 1); 0 disables
-    hass_topk: int = 0
-    hass_weight: float = 1.0
-    # start the draft layer as a copy of a target layer (heads/eagle3_target.py), not random
-    init_from_target: bool = False
-    # validation's chain_tau_est_horizon walks each turn's first N tokens (null: not logged)
-    estimate_horizon: int | None = 48
-
-    def __post_init__(self) -> None:
-        if self.aux_layers is not None:
-            self.aux_layers = [int(i) for i in self.aux_layers]
-            if not self.aux_layers:
-                raise ValueError("head.aux_layers is empty: give layer indices, or null.")
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
-            raise ValueError("head.draft_vocab_size must be positive, or null for the full vocab.")
-        if self.ttt_steps < 1:
-            raise ValueError(f"head.ttt_steps={self.ttt_steps}: unroll at least one step.")
-        if not 0 < self.decay <= 1:
-            raise ValueError(f"head.decay={self.decay}: use a weight in (0, 1].")
-        if self.topk < 1:
-            raise ValueError(f"head.topk={self.topk}: use 1 or more.")
-        check_horizon(self.estimate_horizon)
-        if not self.feature_noise >= 0:
-            raise ValueError(f"head.feature_noise={self.feature_noise}: use >= 0 (0 disables).")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"head.dropout={self.dropout}: use a probability in [0, 1), 0 off.")
-        if self.hass_topk < 0 or not self.hass_weight >= 0:
-            raise ValueError(
-                f"head.hass_topk={self.hass_topk}, head.hass_weight={self.hass_weight}: use 0 or "
-                "more for both (hass_topk=0 disables the term)."
-            )
-        if self.feature_noise_type not in NOISE_TYPES:
-            raise ValueError(
-                f"head.feature_noise_type={self.feature_noise_type!r}: use one of "
-                f"{', '.join(NOISE_TYPES)}."
-            )
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -165,7 +102,8 @@ def ttt_attention_mask(
 
 
 class Eagle3Head(nn.Module):
-    """EAGLE-3: fc over aux features, one fused-input decoder layer, norm + reduced lm_head."""
+    """EAGLE-3: fc over aux features, a fused-input decoder layer (and `num_layers - 1` plain
+    ones), norm + reduced lm_head."""
 
     method = "eagle3"
     config_class = Eagle3Config
@@ -201,7 +139,8 @@ class Eagle3Head(nn.Module):
         self.fc = nn.Linear(len(config.aux_layers) * H, H, bias=False)
         if config.fc_norm:  # one per fused layer, in aux_layers order
             self.fc_norm = nn.ModuleList(RMSNorm(H, spec.rms_norm_eps) for _ in config.aux_layers)
-        self.layers = nn.ModuleList([DraftDecoderLayer(spec, fused_input=True)])
+        deeper = [DraftDecoderLayer(spec) for _ in range(config.num_layers - 1)]
+        self.layers = nn.ModuleList([DraftDecoderLayer(spec, fused_input=True), *deeper])
         self.norm = RMSNorm(H, spec.rms_norm_eps)
         self.lm_head = nn.Linear(H, draft_ids.numel(), bias=False)
         with torch.no_grad():
@@ -281,6 +220,8 @@ class Eagle3Head(nn.Module):
         dtype = self.fc.weight.dtype
         embeds = F.embedding(tokens, self.embed_weight).to(dtype)  # (B, q, H)
         out = self.layers[0](hidden.to(dtype), position_ids, cache, attn_mask, embeds=embeds)
+        for i, layer in enumerate(self.layers[1:], 1):  # num_layers > 1: plain layers on top
+            out = layer(out, position_ids, cache.layer(i), attn_mask)
         return self.norm(out) if self.config.norm_output else out
 
     def step(

@@ -11,6 +11,9 @@ reads), the starting draft is:
   attention as the draft learns to use it), and the embeddings' input norm as layer 0's;
 - o_proj, the MLP and post_attention_layernorm are layer c's, and the final norm is the target's
   (lm_head's rows are the target's already), so the first logits have the target's scale.
+- with `num_layers` > 1, draft layer i (a plain layer) is a whole copy of target layer c + i
+  (the last target layer where c + i runs past it), so the stack starts as the target's own
+  layers above c.
 
 What the draft must learn is then the shift by one position (it predicts x_{t+2} from the state
 at t and the token x_{t+1}) rather than attention and MLP weights from nothing. Biases of a
@@ -56,10 +59,22 @@ def init_eagle3_from_target(head, target) -> int:
     for name in ("gate_proj", "up_proj", "down_proj"):
         getattr(mine.mlp, name).weight.copy_(getattr(src.mlp, name).weight.float())
     mine.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight.float())
+    for offset, layer in enumerate(head.layers[1:], 1):  # num_layers > 1: the layers above c
+        _copy_plain_layer(layer, layers[min(index + offset, len(layers) - 1)])
     final = getattr(target.model.base_model, "norm", None)
     if final is not None and final.weight.shape == head.norm.weight.shape:
         head.norm.weight.copy_(final.weight.float())
     return index
+
+
+def _copy_plain_layer(mine, src) -> None:
+    """A plain draft layer as a copy of target decoder layer `src` (biases dropped)."""
+    mine.input_layernorm.weight.copy_(src.input_layernorm.weight.float())
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        getattr(mine.self_attn, name).weight.copy_(getattr(src.self_attn, name).weight.float())
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        getattr(mine.mlp, name).weight.copy_(getattr(src.mlp, name).weight.float())
+    mine.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight.float())
 
 
 __all__ = ["init_eagle3_from_target"]

