@@ -1,9 +1,10 @@
 """EAGLE-3 with more than one draft layer (`head.num_layers`): the first layer reads
 [embeddings; fused features], the rest are plain layers on its residual stream, as vLLM's
-llama_eagle3 builds them. Parameters, the per-layer cache under drafting's crop and gather, the
-training-time-test unroll against drafting, a loss that falls, save and load (old config.json
-files too), lossless greedy decoding, init_from_target, the eagle3 and speculators exports and
-their import, the GGUF and OpenVINO refusals, and the override end to end."""
+llama_eagle3 builds them. Parameters, the per-layer cache under drafting's crop and gather, a loss
+that falls, save and load (old config.json files too), lossless greedy decoding,
+init_from_target, the eagle3 and speculators exports and their import, the GGUF and OpenVINO
+refusals, and the override end to end. The training-time-test unroll against drafting and the
+cache against a full pass are tests/test_eagle3_options.py's, run there with two layers too."""
 
 from __future__ import annotations
 
@@ -17,13 +18,12 @@ import heads
 from data.errors import ConfigError, DraftsmithError
 from eval.engine.drafting import make_proposer
 from eval.engine.dynamic_tree import DynamicTreeConfig
-from eval.engine.eagle_proposer import draft_tree_mask
 from eval.engine.generator import SpeculativeGenerator
 from eval.engine.tree_spec import resolve_tree
 from eval.engine.verify import GreedyVerifier
 from heads import interop
 from heads.draft_layer import DraftCache
-from heads.eagle3 import Eagle3Config, Eagle3Head, ttt_attention_mask
+from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.interop.gguf import gguf_source_format, spec_type_for
 from heads.target import Target
 
@@ -115,34 +115,6 @@ def test_steps_with_a_cache_equal_a_full_pass_and_rollback_keeps_layers_aligned(
         stale.layer(1).crop(8)
         bad = head.step(tokens[:, 9:10], hidden[:, 9:10], at[:, 8:], stale)[1]
         assert not torch.allclose(bad, want[:, -1:], rtol=1e-4, atol=1e-4)
-
-
-def test_ttt_unroll_equals_drafting_a_chain(tiny_llama):
-    head = diverse(_head(tiny_llama, ttt_steps=3, num_layers=2), std=0.3, seed=2).eval()
-    batch = _batch(T=9, B=1)
-    ids, T = batch["input_ids"], 9
-    feats = _features(head, tiny_llama, batch)
-    cache, hidden, unrolled = DraftCache(), head.target_hidden(feats), []
-    with torch.no_grad():
-        for i in range(3):
-            tokens = torch.zeros_like(ids)
-            tokens[:, : T - i - 1] = ids[:, i + 1 :]
-            mask = ttt_attention_mask(T, i)[None, None]
-            hidden = head.draft_hidden(tokens, hidden, torch.arange(T)[None] + i, cache, mask)
-            unrolled.append(head.logits(hidden))
-        fused = head.target_hidden(feats)
-        for t in range(T - 3):
-            cache = DraftCache()
-            out, logits = head.step(
-                ids[:, 1 : t + 2], fused[:, : t + 1], torch.arange(t + 1)[None], cache
-            )
-            parent = out[:, -1:]
-            assert torch.allclose(logits[:, -1:], unrolled[0][:, t : t + 1], rtol=1e-4, atol=1e-4)
-            for depth in (1, 2):
-                mask = draft_tree_mask([list(range(depth - 1))], t + 1, depth - 1)[None, None]
-                tok = ids[:, t + depth + 1 : t + depth + 2]
-                parent, logits = head.step(tok, parent, torch.tensor([[t + depth]]), cache, mask)
-                assert torch.allclose(logits, unrolled[depth][:, t : t + 1], rtol=1e-4, atol=1e-4)
 
 
 # ---- training and checkpoints ----------------------------------------------------------------

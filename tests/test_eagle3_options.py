@@ -93,7 +93,11 @@ def test_fc_norm_normalises_each_layer_on_its_own(tiny_llama):
     assert change[True] < 1e-3 < 0.1 < change[False]  # (the norm's eps keeps a trace)
 
 
-@pytest.mark.parametrize("options", OPTIONS)
+# a draft of two layers (tests/test_eagle3_layers.py) must pass the same checks
+LAYERED = [*OPTIONS, {"num_layers": 2}]
+
+
+@pytest.mark.parametrize("options", LAYERED)
 def test_step_shapes_and_cache_equal_a_full_pass(tiny_llama, options):
     head = _perturb_norms(_head(tiny_llama, **options)).eval()
     batch = _batch(T=12)
@@ -136,7 +140,7 @@ def test_norm_output_feeds_the_post_norm_state(tiny_llama):
 # ---- training-time test against drafting ---------------------------------------------------
 
 
-@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize("options", LAYERED)
 def test_ttt_unroll_equals_drafting_a_chain(tiny_llama, options):
     """The loss's unrolled steps see exactly what drafting a chain with the cache sees (with
     each option on, the state fed back is the same one in both)."""
