@@ -148,9 +148,10 @@ class ChatEncoder:
         """Ids of ``messages`` followed by the assistant header: what generation continues."""
         return self.encode_text(render(messages, self.tokenizer, self.template, generation=True))
 
-    def user_prefix(self, messages: Conversation) -> list[int]:
-        """Ids of ``messages`` followed by the opening of a new user turn (its header, no text):
-        what a model continues with a user request of its own (data/synthesize.py).
+    def user_prefix(self, messages: Conversation, opening: str = "") -> list[int]:
+        """Ids of ``messages`` followed by the opening of a new user turn (its header, then
+        ``opening``, the first words of the request, if any): what a model continues with a
+        user request of its own (data/synthesize.py).
 
         Found with any template by rendering a user turn holding a marker and cutting there."""
         marker = "\u2063DRAFTSMITH-USER-TURN\u2063"
@@ -167,7 +168,7 @@ class ChatEncoder:
                 "of a user turn cannot be found for prompt synthesis; set `data.chat_template` "
                 "to one that does, or give prompt files instead of {synthesize: N}"
             )
-        return self.encode_text(text[:cut])
+        return self.encode_text(text[:cut] + opening)
 
     def example(self, messages: Conversation, max_length: int) -> dict[str, torch.Tensor] | None:
         """A training example, ``{"input_ids", "loss_mask"}`` (LongTensor[T], T <= max_length,

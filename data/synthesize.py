@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 BLOCK = 32  # candidates per generation block (fixed: it decides which seed writes which text)
 _FIELDS_HELP = (
     "synthesize (count), name, system, follow_ups, temperature, top_p, max_new_tokens, "
-    "min_chars, max_chars, min_words, near_duplicate, max_candidates, seed"
+    "min_chars, max_chars, min_words, near_duplicate, max_candidates, seed, openings"
 )
 
 
@@ -62,6 +62,10 @@ class SynthesisSpec:
         duplicate of an earlier accepted prompt (1.0 keeps near duplicates; exact ones go anyway).
     max_candidates: give up after this many candidates (null: 8 x synthesize).
     seed: the sampling seed (the distillation seed is mixed in as well).
+    openings: texts a first user turn starts with, to steer what kind of request the target
+        writes (candidate i continues ``openings[i % len(openings)]``, e.g. "Write a Python
+        function" for coding requests); the opening stays part of the prompt. Follow-ups are
+        written freely. null: the target starts the request itself.
     """
 
     synthesize: int
@@ -77,6 +81,7 @@ class SynthesisSpec:
     near_duplicate: float = 0.7
     max_candidates: int | None = None
     seed: int = 0
+    openings: list[str] | None = None
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str) -> None:
@@ -95,13 +100,29 @@ class SynthesisSpec:
             self.max_candidates is None or self.max_candidates >= self.synthesize,
             "max_candidates must be >= synthesize",
         )
+        if self.openings is not None:
+            self.openings = list(self.openings)
+            need(bool(self.openings), "openings must be a non-empty list of texts (or null)")
+            for k, o in enumerate(self.openings):
+                need(
+                    isinstance(o, str) and bool(o.strip()),
+                    f"openings[{k}]={o!r} is not a non-empty text (in YAML, quote an opening "
+                    "that holds ': ', e.g. \"A puzzle:\")",
+                )
+
+    def opening(self, i: int) -> str:
+        """The text candidate i starts with ("" without openings)."""
+        return self.openings[i % len(self.openings)] if self.openings else ""
 
     @property
     def candidate_limit(self) -> int:
         return self.max_candidates or 8 * self.synthesize
 
     def digest(self) -> str:
-        return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+        fields = asdict(self)
+        if fields["openings"] is None:  # written before openings existed: keep their file names
+            del fields["openings"]
+        return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
 
 
 def synthesis_spec(entry: dict) -> SynthesisSpec:
@@ -225,10 +246,18 @@ def _block_seed(base: int, spec: SynthesisSpec, block: int) -> int:
 
 
 def sample_user_turns(
-    gen, encoder, histories: Sequence[list[dict]], spec: SynthesisSpec, seed: int
+    gen,
+    encoder,
+    histories: Sequence[list[dict]],
+    spec: SynthesisSpec,
+    seed: int,
+    openings: Sequence[str] | None = None,
 ) -> list[tuple[str, str]]:
-    """For each history, a user turn sampled by the target: (text, reason it is rejected or "")."""
-    prompts = [encoder.user_prefix(history) for history in histories]
+    """For each history, a user turn sampled by the target: (text, reason it is rejected or "").
+    openings: per history, the text the turn starts with (the target continues it; it is part
+    of the returned text)."""
+    openings = list(openings) if openings is not None else [""] * len(histories)
+    prompts = [encoder.user_prefix(h, o) for h, o in zip(histories, openings, strict=True)]
     answers = gen.generate(
         prompts,
         seed,
@@ -238,8 +267,8 @@ def sample_user_turns(
     )
     special = set(getattr(encoder.tokenizer, "all_special_ids", []) or [])
     out = []
-    for ids, finish in answers:
-        text = encoder.tokenizer.decode(ids, skip_special_tokens=True).strip()
+    for (ids, finish), opening in zip(answers, openings, strict=True):
+        text = (opening + encoder.tokenizer.decode(ids, skip_special_tokens=True)).strip()
         marked = any(t in special for t in ids)
         out.append((text, reject_reason(text, finish, spec, marked)))
     return out
@@ -283,7 +312,10 @@ def synthesize(
         for block in share:
             first = block * BLOCK
             seed = _block_seed(base_seed, spec, block)
-            texts = sample_user_turns(get_generator(), encoder, [system] * BLOCK, spec, seed)
+            openings = [spec.opening(first + j) for j in range(BLOCK)]
+            texts = sample_user_turns(
+                get_generator(), encoder, [system] * BLOCK, spec, seed, openings
+            )
             append_rows(
                 mine,
                 [

@@ -205,6 +205,52 @@ def test_system_message_opens_every_conversation(writer, tmp_path):
         assert r["messages"][1]["role"] == "user"
 
 
+def test_openings_start_each_first_turn_in_candidate_order(writer, tmp_path):
+    openings = ["Write a function", "Solve:"]
+    cfg = cfg_for(tmp_path, {"synthesize": 6, "openings": openings, "follow_ups": 1, **LOOSE})
+    distill(writer, cfg, progress=False)
+    rows = rows_of(cfg.out)
+    assert len(rows) == 6
+    for r in rows:  # candidate i continues openings[i % 2]; the opening stays in the prompt
+        first = r["messages"][0]["content"]
+        assert first.startswith(openings[int(r["prompt_id"]) % 2])
+        assert len(first) > len(openings[int(r["prompt_id"]) % 2])  # the target wrote more
+    # without openings the same seed writes other first turns
+    (tmp_path / "free").mkdir()
+    free = cfg_for(tmp_path / "free", {"synthesize": 6, "follow_ups": 1, **LOOSE})
+    distill(writer, free, progress=False)
+    assert not all(
+        r["messages"][0]["content"].startswith(("Write a", "Solve")) for r in rows_of(free.out)
+    )
+
+
+def test_user_prefix_ends_with_the_opening(writer):
+    from data.chat import ChatEncoder
+
+    enc = ChatEncoder(writer.tokenizer)
+    text = writer.tokenizer.decode(enc.user_prefix([], "Solve this"))
+    assert text.endswith("<|im_start|>user\nSolve this")
+    assert enc.user_prefix([], "") == enc.user_prefix([])
+
+
+def test_openings_are_checked_and_old_candidate_files_keep_their_names():
+    from data.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="openings must be a non-empty list"):
+        SynthesisSpec(synthesize=3, openings=[])
+    for bad, k in (([""], 0), (["ok", "  "], 1), (["ok", {"A puzzle": None}], 1)):
+        with pytest.raises(ConfigError, match=f"openings\\[{k}\\]=.* quote an opening"):
+            SynthesisSpec(synthesize=3, openings=bad)
+    # digests (candidate file names) of specs written before `openings` existed are unchanged
+    assert SynthesisSpec(synthesize=3).digest() == "a5831f5944"
+    assert SynthesisSpec(synthesize=160, follow_ups=1).digest() == "602f439be1"
+    steered = SynthesisSpec(synthesize=3, openings=["Solve"])
+    assert steered.digest() != SynthesisSpec(synthesize=3).digest()
+    assert steered.digest() != SynthesisSpec(synthesize=3, openings=["Write"]).digest()
+    assert [steered.opening(i) for i in range(2)] == ["Solve", "Solve"]
+    assert SynthesisSpec(synthesize=3).opening(4) == ""
+
+
 def test_changed_synthesis_settings_are_refused_for_the_same_output(writer, tmp_path):
     distill(writer, cfg_for(tmp_path, {"synthesize": 3, **LOOSE}), progress=False)
     with pytest.raises(ValueError, match="settings"):
@@ -287,6 +333,24 @@ def test_data_config_takes_a_synthesis_entry():
     assert cfg.settings()["synthesize"][0]["follow_ups"] == 1
     other = SelfDistillSettings(enabled=True, prompts=[{"synthesize": 6, "follow_ups": 1}])
     assert settings.default_out("f" * 16) != other.default_out("f" * 16)
+
+    steered = SelfDistillSettings(enabled=True, prompts=[{"synthesize": 5, "openings": ["Solve"]}])
+    assert steered.distill_config("o.jsonl").settings()["synthesize"][0]["openings"] == ["Solve"]
+    assert steered.default_out("f" * 16) != settings.default_out("f" * 16)
+
+
+def test_the_steered_data_config_composes_with_its_openings():
+    from hydra import compose, initialize_config_dir
+
+    from data.synthesize import synthesis_spec
+
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose("config", ["+experiment=eagle3_llama", "data=smollm2_corpus_tasks"])
+    entries = [p for p in cfg.data.self_distill.prompts if "synthesize" in p]
+    spec = synthesis_spec(dict(entries[0]))
+    assert spec.synthesize == 160 and spec.follow_ups == 1 and len(spec.openings) == 40
+    assert len(set(spec.openings)) == 40
 
 
 def test_writer_target_is_not_degenerate(writer):
