@@ -108,7 +108,9 @@ class DataConfig:
     feature_autocast: null (the target's own dtype) or bfloat16 / float16: extract features
         with the target's forward under torch.autocast in that dtype (bfloat16 runs 2.5x fp32's
         speed on a CPU with AMX, within 1% of fp32's features: docs/throughput.md); recorded in
-        the disk cache, whose folder it names.
+        the disk cache, whose folder it names. fast_bfloat16: bfloat16 on a GPU or on a CPU that
+        multiplies bf16 in hardware (AMX or AVX512-BF16), null elsewhere (emulated bf16 is slower
+        than fp32 there).
     feature_cache: the disk cache's folder (null: one per target, layers, dtype and data).
     self_distill: see SelfDistillSettings.
     """
@@ -161,9 +163,11 @@ class DataConfig:
             self.feature_dtype in FEATURE_DTYPES,
             f"data.feature_dtype={self.feature_dtype!r}: use one of {', '.join(FEATURE_DTYPES)}.",
         )
+        if self.feature_autocast == "fast_bfloat16":
+            self.feature_autocast = "bfloat16" if _bf16_is_fast() else None
         _check(
             self.feature_autocast in (None, *AUTOCAST_DTYPES),
-            f"data.feature_autocast={self.feature_autocast!r}: use null or one of "
+            f"data.feature_autocast={self.feature_autocast!r}: use null, fast_bfloat16 or one of "
             f"{', '.join(AUTOCAST_DTYPES)}.",
         )
         _check(
@@ -190,3 +194,13 @@ def _source(entry: Any, index: int, key: str = "sources") -> DataSource:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def _bf16_is_fast() -> bool:
+    """Whether bf16 matrix products run in hardware here: on a GPU, or on a CPU with AMX or
+    AVX512-BF16 (data.hardware)."""
+    import torch
+
+    from data.hardware import cpu_has_fast_bf16
+
+    return torch.cuda.is_available() or cpu_has_fast_bf16()

@@ -35,6 +35,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -325,12 +326,16 @@ def _stream_each(gen, todo: list[WorkItem], cfg: DistillConfig, meta: dict):
     one is still running: no barrier where a group of conversations waits for its slowest
     answer. Results are yielded in `todo`'s order (the file stays in order, so a prefix of it is
     a budget): finished conversations behind a slow one wait in memory, at most 16 x `parallel`
-    of them. Yields (rows, skipped, new tokens, 1) per conversation."""
+    of them. Within each window of that many, conversations start longest first (most
+    generations: answers plus synthesised follow-ups), so the run does not end on a tail of
+    multi-turn conversations whose turns must wait for each other while slots sit idle.
+    Yields (rows, skipped, new tokens, 1) per conversation."""
     from concurrent.futures import FIRST_COMPLETED, wait
 
     running_max, buffered_max = 2 * cfg.parallel, 16 * cfg.parallel
     pool = ThreadPoolExecutor(max_workers=cfg.parallel)
     futures: dict = {}
+    order = start_order(todo, buffered_max)
     submitted = written = 0
     try:
         while written < len(todo):
@@ -340,12 +345,13 @@ def _stream_each(gen, todo: list[WorkItem], cfg: DistillConfig, meta: dict):
                 and len(running) < running_max
                 and submitted - written < buffered_max
             ):
-                future = pool.submit(run_batch, gen, [todo[submitted]], cfg, meta)
-                futures[submitted] = future
+                index = order[submitted]
+                future = pool.submit(run_batch, gen, [todo[index]], cfg, meta)
+                futures[index] = future
                 running.append(future)
                 submitted += 1
-            head = futures[written]
-            if not head.done():
+            head = futures.get(written)  # None: not started yet (slots busy with longer ones)
+            if head is None or not head.done():
                 wait(running, return_when=FIRST_COMPLETED)
                 continue
             rows, skipped, tokens = futures.pop(written).result()
@@ -353,6 +359,23 @@ def _stream_each(gen, todo: list[WorkItem], cfg: DistillConfig, meta: dict):
             yield rows, skipped, tokens, 1
     finally:  # on an error (or a closed generator) drop what has not started
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def generations(item: WorkItem) -> int:
+    """How many texts the target writes for a conversation: an answer per user turn, plus each
+    user turn it writes itself (None)."""
+    return len(item.turns) + sum(turn is None for turn in item.turns)
+
+
+def start_order(todo: Sequence[WorkItem], window: int) -> list[int]:
+    """The order a server stream starts `todo` in: window by window (so results never wait
+    behind more than `window` others), most generations first within each, otherwise in order.
+    The head of the file is always inside the window being started, so it is never starved."""
+    order: list[int] = []
+    for first in range(0, len(todo), window):
+        block = range(first, min(first + window, len(todo)))
+        order.extend(sorted(block, key=lambda i: -generations(todo[i])))
+    return order
 
 
 def _make_generator(target, cfg: DistillConfig, encoder: ChatEncoder, eos: list[int]):

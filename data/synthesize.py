@@ -37,6 +37,7 @@ from pathlib import Path
 
 from data.errors import ConfigError
 from data.parts import append_rows, merge_parts, part_files, part_path, read_rows, repair_tail
+from data.paths import resolve_path
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,9 @@ class SynthesisSpec:
     openings: texts a first user turn starts with, to steer what kind of request the target
         writes (candidate i continues ``openings[i % len(openings)]``, e.g. "Write a Python
         function" for coding requests); the opening stays part of the prompt. Follow-ups are
-        written freely. null: the target starts the request itself.
+        written freely. A text instead of a list names a file of openings, one per line (blank
+        lines and lines starting with # skipped; relative paths from the repository root), so
+        several data configs share one set. null: the target starts the request itself.
     """
 
     synthesize: int
@@ -81,7 +84,7 @@ class SynthesisSpec:
     near_duplicate: float = 0.7
     max_candidates: int | None = None
     seed: int = 0
-    openings: list[str] | None = None
+    openings: list[str] | str | None = None
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str) -> None:
@@ -100,6 +103,8 @@ class SynthesisSpec:
             self.max_candidates is None or self.max_candidates >= self.synthesize,
             "max_candidates must be >= synthesize",
         )
+        if isinstance(self.openings, str | Path):
+            self.openings = read_openings(self.openings)
         if self.openings is not None:
             self.openings = list(self.openings)
             need(bool(self.openings), "openings must be a non-empty list of texts (or null)")
@@ -123,6 +128,21 @@ class SynthesisSpec:
         if fields["openings"] is None:  # written before openings existed: keep their file names
             del fields["openings"]
         return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def read_openings(path: str | Path) -> list[str]:
+    """The openings listed in a text file, one per line (blank lines and # comments skipped)."""
+    resolved = resolve_path(path)
+    if not resolved.is_file():
+        raise ConfigError(
+            f"openings file {str(path)!r} not found; give a list of openings, or a text file "
+            "with one opening per line (relative paths start at the repository root)."
+        )
+    lines = [line.strip() for line in resolved.read_text(encoding="utf-8").splitlines()]
+    found = [line for line in lines if line and not line.startswith("#")]
+    if not found:
+        raise ConfigError(f"openings file {str(path)!r} lists no openings (one per line).")
+    return found
 
 
 def synthesis_spec(entry: dict) -> SynthesisSpec:

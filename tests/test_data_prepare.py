@@ -43,7 +43,7 @@ def compose_data(*overrides: str):
         ({"features": "ram"}, "data.features='ram': use one of memory, disk, online."),
         ({"feature_dtype": "fp8"}, "data.feature_dtype='fp8': use one of float16, bfloat16"),
         ({"feature_dtype": "int8"}, "data.feature_dtype=int8 needs data.features=disk"),
-        ({"feature_autocast": "fp8"}, "data.feature_autocast='fp8': use null or one of bfloat16"),
+        ({"feature_autocast": "fp8"}, "feature_autocast='fp8': use null, fast_bfloat16 or one of"),
         ({"val_fraction": 1.0}, "data.val_fraction=1.0: use a share in [0, 1)"),
         ({"max_length": 0}, "data.max_length=0: give the tokens per conversation"),
         ({"max_train_tokens": -5}, "data.max_train_tokens=-5: use a count, or null."),
@@ -77,6 +77,20 @@ def test_data_config_says_what_to_change(kwargs, message):
     with pytest.raises((ConfigError, TypeError)) as err:
         DataConfig(**{"sources": ["rows.jsonl"], **kwargs})
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_fast_bfloat16_feature_autocast_picks_bf16_only_where_it_is_fast(monkeypatch, fast):
+    import data.hardware
+
+    monkeypatch.setattr(data.hardware, "cpu_has_fast_bf16", lambda: fast)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = DataConfig(sources=["rows.jsonl"], feature_autocast="fast_bfloat16")
+    assert cfg.feature_autocast == ("bfloat16" if fast else None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU multiplies bf16 fast
+    assert DataConfig(sources=["r.jsonl"], feature_autocast="fast_bfloat16").feature_autocast == (
+        "bfloat16"
+    )
 
 
 def test_data_config_reads_sources_and_self_distill_given_as_plain_values():

@@ -314,3 +314,53 @@ def test_a_prompt_entry_picks_a_dataset_split(tmp_path):
     path = str(folder)
     cfg = config(tmp_path, prompts=[{"path": path, "split": "test_sft"}])
     assert [item.key for item in work_items(cfg)] == ["ultrachat_like/t1/0"]
+
+
+def _items(turn_counts):
+    """Work items with (given user turns, user turns the target writes) each."""
+    from data.distill_work import WorkItem
+
+    return [
+        WorkItem(f"s/{i}/0", "s", str(i), 0, ["u"] * users + [None] * follow_ups)
+        for i, (users, follow_ups) in enumerate(turn_counts)
+    ]
+
+
+def test_a_server_stream_starts_the_longest_conversations_first_window_by_window():
+    from data.distill import generations, start_order
+
+    items = _items([(1, 0), (2, 1), (1, 0), (3, 0), (2, 1), (1, 0), (4, 0)])
+    # an answer per user turn, plus each user turn the target writes (None)
+    assert [generations(i) for i in items] == [1, 4, 1, 3, 4, 1, 4]
+    # one window: most generations first, ties in file order
+    assert start_order(items, 16) == [1, 4, 6, 3, 0, 2, 5]
+    # windows of 3: each window sorted on its own, never an item started before an earlier window
+    assert start_order(items, 3) == [1, 0, 2, 4, 3, 5, 6]
+    assert sorted(start_order(items, 2)) == list(range(len(items)))
+
+
+def test_a_server_stream_writes_in_file_order_whatever_order_it_starts(monkeypatch):
+    """The stream starts conversations longest first, but yields them (so the file is written)
+    in the prompts' order, and a window bounds how far ahead of the file it runs."""
+    import threading
+    from types import SimpleNamespace
+
+    import data.distill as distill_mod
+
+    items = _items([((i * 7) % 4 + 1, i % 2) for i in range(40)])
+    started, lock = [], threading.Lock()
+
+    def fake_run_batch(gen, batch, cfg, meta):
+        with lock:
+            started.append(batch[0].key)
+        return [{"id": batch[0].key}], [], 1
+
+    monkeypatch.setattr(distill_mod, "run_batch", fake_run_batch)
+    cfg = SimpleNamespace(parallel=1)  # one slot: starts happen in submission order
+    written = [rows[0]["id"] for rows, _, _, _ in distill_mod._stream_each(None, items, cfg, {})]
+    assert written == [i.key for i in items]
+    window = 16 * cfg.parallel
+    assert started == [items[i].key for i in distill_mod.start_order(items, window)]
+    assert started != written  # the order really changed
+    first_window = {i.key for i in items[:window]}
+    assert set(started[:window]) == first_window  # nothing of a later window ran ahead

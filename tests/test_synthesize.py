@@ -339,18 +339,49 @@ def test_data_config_takes_a_synthesis_entry():
     assert steered.default_out("f" * 16) != settings.default_out("f" * 16)
 
 
-def test_the_steered_data_config_composes_with_its_openings():
+@pytest.mark.parametrize(
+    ("data", "count", "corpus_entries"),
+    [("smollm2_corpus_tasks", 160, 3), ("smollm2_corpus_steered", 100, 2)],
+)
+def test_the_steered_data_configs_compose_with_their_openings(data, count, corpus_entries):
     from hydra import compose, initialize_config_dir
 
     from data.synthesize import synthesis_spec
 
     conf = Path(__file__).resolve().parent.parent / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        cfg = compose("config", ["+experiment=eagle3_llama", "data=smollm2_corpus_tasks"])
-    entries = [p for p in cfg.data.self_distill.prompts if "synthesize" in p]
-    spec = synthesis_spec(dict(entries[0]))
-    assert spec.synthesize == 160 and spec.follow_ups == 1 and len(spec.openings) == 40
-    assert len(set(spec.openings)) == 40
+        cfg = compose("config", ["+experiment=eagle3_llama", f"data={data}"])
+    prompts = cfg.data.self_distill.prompts
+    entries = [p for p in prompts if "synthesize" in p]
+    assert len(entries) == 1 and len(prompts) - 1 == corpus_entries
+    spec = synthesis_spec(dict(entries[0]))  # the openings file is read here
+    assert spec.synthesize == count and spec.follow_ups == 1 and len(spec.openings) == 40
+    assert len(set(spec.openings)) == 40 and spec.openings[:2] == [
+        "Write a Python function",
+        "Solve",
+    ]
+    # the file holds the list the tasks config held inline: its candidate files keep their name
+    assert SynthesisSpec(
+        synthesize=160, name="tasks", follow_ups=1, openings=spec.openings
+    ).digest() == ("dea6a61fde")
+
+
+def test_openings_can_be_read_from_a_file(tmp_path):
+    from data.errors import ConfigError
+
+    listed = tmp_path / "openings.txt"
+    listed.write_text("# kinds of request\n\nSolve\n  Write a poem  \n# done\n", encoding="utf-8")
+    from_file = SynthesisSpec(synthesize=3, openings=str(listed))
+    assert from_file.openings == ["Solve", "Write a poem"]  # comments and blanks skipped, stripped
+    assert (
+        from_file.digest()
+        == SynthesisSpec(synthesize=3, openings=["Solve", "Write a poem"]).digest()
+    )
+    with pytest.raises(ConfigError, match="openings file .*missing.txt' not found"):
+        SynthesisSpec(synthesize=3, openings=str(tmp_path / "missing.txt"))
+    (tmp_path / "empty.txt").write_text("# nothing\n\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="lists no openings"):
+        SynthesisSpec(synthesize=3, openings=str(tmp_path / "empty.txt"))
 
 
 def test_writer_target_is_not_degenerate(writer):
