@@ -164,7 +164,9 @@ class DataConfig:
             f"data.feature_dtype={self.feature_dtype!r}: use one of {', '.join(FEATURE_DTYPES)}.",
         )
         if self.feature_autocast == "fast_bfloat16":
-            self.feature_autocast = "bfloat16" if _bf16_is_fast() else None
+            from data.hardware import bf16_is_fast  # imports torch: only when asked
+
+            self.feature_autocast = "bfloat16" if bf16_is_fast() else None
         _check(
             self.feature_autocast in (None, *AUTOCAST_DTYPES),
             f"data.feature_autocast={self.feature_autocast!r}: use null, fast_bfloat16 or one of "
@@ -194,13 +196,3 @@ def _source(entry: Any, index: int, key: str = "sources") -> DataSource:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
-
-
-def _bf16_is_fast() -> bool:
-    """Whether bf16 matrix products run in hardware here: on a GPU, or on a CPU with AMX or
-    AVX512-BF16 (data.hardware)."""
-    import torch
-
-    from data.hardware import cpu_has_fast_bf16
-
-    return torch.cuda.is_available() or cpu_has_fast_bf16()

@@ -88,6 +88,7 @@ def test_fast_bfloat16_feature_autocast_picks_bf16_only_where_it_is_fast(monkeyp
     cfg = DataConfig(sources=["rows.jsonl"], feature_autocast="fast_bfloat16")
     assert cfg.feature_autocast == ("bfloat16" if fast else None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU multiplies bf16 fast
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
     assert DataConfig(sources=["r.jsonl"], feature_autocast="fast_bfloat16").feature_autocast == (
         "bfloat16"
     )

@@ -15,7 +15,8 @@ import torch
 from accelerate import Accelerator, DistributedDataParallelKwargs
 from accelerate.utils import DistributedType
 
-from train.config import TrainerConfig, cpu_has_fast_bf16, resolve_mixed_precision
+from data.hardware import cpu_has_fast_bf16
+from train.config import TrainerConfig, resolve_mixed_precision
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from data.errors import ConfigError
-from data.hardware import cpu_has_fast_bf16
+from data.hardware import bf16_is_fast
 
 MIXED_PRECISION = ("no", "bf16", "fp16", "auto", "fast_bf16")
 OPTIMIZERS = ("adamw", "muon")
@@ -156,11 +156,9 @@ def resolve_mixed_precision(mode: str) -> str:
     than fp32 (the 20-minute and 2-hour EAGLE-3 recipes use it). Other modes pass through."""
     if mode not in ("auto", "fast_bf16"):
         return mode
-    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
-        return "bf16"
-    if mode == "fast_bf16" and not torch.cuda.is_available() and cpu_has_fast_bf16():
-        return "bf16"
-    return "no"
+    if mode == "fast_bf16":
+        return "bf16" if bf16_is_fast() else "no"
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
 
 
 def _check(ok: bool, message: str) -> None:
