@@ -112,6 +112,12 @@ class DataConfig:
         multiplies bf16 in hardware (AMX or AVX512-BF16), null elsewhere (emulated bf16 is slower
         than fp32 there).
     feature_cache: the disk cache's folder (null: one per target, layers, dtype and data).
+    train_on_prompts: label every token of a training conversation after its first (user and
+        system turns and the chat template's tokens too), not only the answers. The feature
+        cache holds the target's state at every position anyway, so these labels cost no data
+        time; heads that distil the target's distribution (EAGLE-3, DFlash) learn it there as
+        well. Validation keeps answer tokens only, so held-out numbers stay comparable, and the
+        draft vocabulary still counts answer tokens only.
     self_distill: see SelfDistillSettings.
     """
 
@@ -129,6 +135,7 @@ class DataConfig:
     feature_dtype: str = "float16"
     feature_autocast: str | None = None
     feature_cache: str | None = None
+    train_on_prompts: bool = False
     self_distill: SelfDistillSettings = field(default_factory=SelfDistillSettings)
 
     def __post_init__(self) -> None:

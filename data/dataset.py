@@ -253,3 +253,22 @@ class ExampleDataset(torch.utils.data.Dataset):
     def lengths(self) -> list[int]:
         """Token count per example (for length-grouped samplers)."""
         return [len(e["input_ids"]) for e in self.examples]
+
+
+class EveryTokenLabelled(torch.utils.data.Dataset):
+    """`base`'s examples with every token after the first a label (`data.train_on_prompts`):
+    loss_mask is 1 from position 1 on, prompts and template tokens included. Position 0 has no
+    earlier position in its conversation to be predicted from. Only the mask changes, so cached
+    features and derived targets are shared with the answer-only view."""
+
+    def __init__(self, base: torch.utils.data.Dataset) -> None:
+        self.base = base
+
+    def __len__(self) -> int:
+        return len(self.base)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Example:
+        example = self.base[index]
+        mask = torch.ones_like(example["loss_mask"])
+        mask[:1] = 0
+        return {**example, "loss_mask": mask}

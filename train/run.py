@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import heads
 from data.config import DataConfig
-from data.dataset import ExampleDataset, collate, corpus_stats
+from data.dataset import EveryTokenLabelled, ExampleDataset, collate, corpus_stats
 from data.feature_cache import open_or_build_feature_cache
 from data.feature_cache_format import default_cache_dir, examples_sha1
 from data.features import LazyFeatureDataset
@@ -180,6 +180,8 @@ def run(
     else:  # Medusa-2: the head runs its adapted target itself; cached features would be stale
         log.info("head %s computes its own features: data.features is not used", head.method)
         train_set, val_set = ExampleDataset(data.train), ExampleDataset(data.val)
+    if data_cfg.train_on_prompts:  # training labels only: validation keeps the answers
+        train_set = EveryTokenLabelled(train_set)
     tracker = Tracker(logger_cfg, run_dir, is_main=env_rank() == 0)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     if env_rank() == 0:
