@@ -158,7 +158,7 @@ def resolve_mixed_precision(mode: str) -> str:
         return mode
     if mode == "fast_bf16":
         return "bf16" if bf16_is_fast() else "no"
-    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    return "bf16" if torch.cuda.is_available() and bf16_is_fast() else "no"  # auto: GPUs only
 
 
 def _check(ok: bool, message: str) -> None:
