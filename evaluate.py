@@ -3,45 +3,15 @@
     python evaluate.py +experiment=medusa_llama head_path=DIR bench=mt_bench bench.limit=8
     python evaluate.py bench=jsonl bench.path=prompts.jsonl head_path=null   # baselines only
 
-Writes results.jsonl, summary.json, report.md and PNG plots into the Hydra run dir
-(conf/evaluate.yaml; eval/bench/harness.py does the work). A bad setting or a bad head folder
-prints one line with the fix (exit status 2; HYDRA_FULL_ERROR=1 shows the traceback).
+The command is eval/cli/evaluate.py's `main` (installed as `draftsmith-evaluate`): it writes
+results.jsonl, summary.json, report.md and PNG plots into the Hydra run dir (conf/evaluate.yaml;
+eval/bench/harness.py does the work). A bad setting or a bad head folder prints one line with the
+fix (exit status 2; HYDRA_FULL_ERROR=1 shows the traceback).
 """
 
-import re
-import sys
+from eval.cli.evaluate import chain_overrides, main
 
-import hydra
-from omegaconf import DictConfig
-
-from train.cli import report_user_errors
-
-_CHAIN = re.compile(r"^tree=(\d+)$")
-
-
-def chain_overrides(argv: list[str]) -> list[str]:
-    """`tree=N` (a chain of N drafted tokens, what block drafters use) as Hydra overrides: the
-    `tree` config group takes names only, so it becomes `tree=chain` with N single-child paths."""
-    out = []
-    for arg in argv:
-        found = _CHAIN.match(arg)
-        if found and int(found.group(1)) >= 1:
-            n = int(found.group(1))
-            paths = ",".join("[" + ",".join(["0"] * d) + "]" for d in range(1, n + 1))
-            out += ["tree=chain", f"tree.paths=[{paths}]"]
-        else:
-            out.append(arg)
-    return out
-
-
-@hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
-@report_user_errors
-def main(cfg: DictConfig) -> None:
-    from eval.bench.harness import run
-
-    run(cfg)
-
+__all__ = ["chain_overrides", "main"]
 
 if __name__ == "__main__":
-    sys.argv[1:] = chain_overrides(sys.argv[1:])
     main()

@@ -11,11 +11,15 @@ from pathlib import Path
 
 from data.errors import ConfigError
 
+# The repository root in a checkout. An installed wheel lays out site-packages the same way
+# (conf/ beside the packages, the corpora inside data/: pyproject.toml's package data), so there
+# it is site-packages and every repo-relative path in a config still resolves.
 REPO_ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO_ROOT / "conf"  # the Hydra configs the entry points compose (eval/cli/)
 
 
 def resolve_path(path: str | Path) -> Path:
-    """`path` as given if it exists (or is absolute), else relative to the repository root."""
+    """`path` as given if it exists (or is absolute), else relative to REPO_ROOT."""
     given = Path(path).expanduser()
     if given.exists() or given.is_absolute():
         return given
