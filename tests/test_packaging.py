@@ -26,7 +26,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PRODUCT = ("train", "heads", "data", "eval", "conf")
 # a repo-relative data file named in a config or a module constant (with an optional :start:end)
-DATA_FILE = re.compile(r"^((?:data|conf)/[\w./-]+\.(?:jsonl|json|txt|yaml))(?::\d+:\d+)?$")
+DATA_FILE = re.compile(r"^((?:data|conf)/[\w./-]+\.(?:jsonl|json|txt|yaml|jinja))(?::\d+:\d+)?$")
 SCRIPTS = {
     "draftsmith-train": "eval.cli.train:main",
     "draftsmith-evaluate": "eval.cli.evaluate:main",
