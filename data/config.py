@@ -58,8 +58,10 @@ class SelfDistillSettings:
         if self.enabled:
             self.distill_config(self.out or "(default)")  # DistillConfig validates the rest
 
-    def default_out(self, target_fingerprint: str) -> str:
-        """The output file named after the target and every setting but `enabled` / `out`."""
+    def default_out(self, target_fingerprint: str, template_sha1: str | None = None) -> str:
+        """The output file named after the target and every setting but `enabled` / `out`, and
+        after the chat template when the run sets its own (`template_sha1`; a tokenizer's own
+        template is part of the fingerprinted target)."""
         settings = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
@@ -69,6 +71,8 @@ class SelfDistillSettings:
             del settings["dtype"]
         if self.backend != "hf":  # files written by HF keep the names they always had
             settings |= {"backend": self.backend, "engine": self.gguf or self.server_url}
+        if template_sha1:
+            settings["chat_template_sha1"] = template_sha1
         digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
         return str(cache_root() / "distill" / f"{target_fingerprint[:12]}-{digest}.jsonl")
 

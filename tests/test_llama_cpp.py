@@ -159,16 +159,18 @@ def test_unloadable_model_quotes_the_server_log(tmp_path):
 # ---- a tiny target and draft, converted once per module --------------------------------------
 
 
-def _save_tiny_target(folder: Path) -> None:
-    """A random 8-layer Llama with SmolLM2's tokenizer, weights drawn wide enough (std 0.1)
-    that its greedy answers vary with the context instead of repeating one token."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _save_tiny_target(folder: Path, family: str = "llama") -> None:
+    """A random 8-layer Llama (or Qwen2, whose llama.cpp graph needed the EAGLE-3 hook the
+    set-up adds) with SmolLM2's tokenizer, weights drawn wide enough (std 0.1) that its greedy
+    answers vary with the context instead of repeating one token."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from heads.target import TargetConfig, load_tokenizer
 
     tokenizer = load_tokenizer("smollm2_135m", TargetConfig(name_or_path="tiny"))
     torch.manual_seed(0)
-    config = LlamaConfig(
+    config = AutoConfig.for_model(
+        family,
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -180,7 +182,7 @@ def _save_tiny_target(folder: Path) -> None:
         bos_token_id=1,
         eos_token_id=2,
     )
-    model = LlamaForCausalLM(config).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 2:
@@ -193,6 +195,16 @@ def _save_tiny_target(folder: Path) -> None:
 def tiny_setup(tmp_path_factory):
     """(target, head, target_dir, target.gguf, draft.gguf): the tiny target above and an
     EAGLE-3 draft trained 100 steps on its own greedy answers, both converted to f32 GGUF."""
+    return _eagle3_setup(tmp_path_factory.mktemp("llama_cpp"), "llama")
+
+
+@pytest.fixture(scope="module")
+def qwen2_setup(tmp_path_factory):
+    """The same on a tiny random Qwen2 (llama.cpp's qwen2 graph, patched by the set-up)."""
+    return _eagle3_setup(tmp_path_factory.mktemp("llama_cpp_qwen2"), "qwen2")
+
+
+def _eagle3_setup(root: Path, family: str):
     _need_server()
     from hydra.utils import instantiate
 
@@ -201,9 +213,8 @@ def tiny_setup(tmp_path_factory):
     from heads.target import load_target
     from train.run import run
 
-    root = tmp_path_factory.mktemp("llama_cpp")
     target_dir = root / "target"
-    _save_tiny_target(target_dir)
+    _save_tiny_target(target_dir, family)
     overrides = [
         "+experiment=eagle3_tiny",
         f"model.name_or_path={target_dir}",
@@ -273,8 +284,9 @@ def _engine_runs(cfg: ServerConfig, prompts: list[list[int]]):
         return [server.complete(ids, NEW_TOKENS) for ids in prompts]
 
 
-def test_llama_cpp_speculative_equals_plain_and_acceptance_matches(tiny_setup):
-    target, head, _, target_file, draft_file = tiny_setup
+@pytest.mark.parametrize("setup", ["tiny_setup", "qwen2_setup"])
+def test_llama_cpp_speculative_equals_plain_and_acceptance_matches(setup, request):
+    target, head, _, target_file, draft_file = request.getfixturevalue(setup)
     prompts = _prompt_ids(target)
     plain = _engine_runs(
         ServerConfig(model=str(target_file), cache_type="f32", flash_attn="off"), prompts

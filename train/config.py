@@ -164,3 +164,28 @@ def resolve_mixed_precision(mode: str) -> str:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(f"TrainerConfig: {message}")
+
+
+def fold_chat_template(cfg) -> None:
+    """One chat template for the whole run: `data.chat_template` (the documented key for a base
+    model without one) is written into `model.chat_template` as template text, so the target's
+    tokenizer carries it everywhere (data, checkpoint evaluation, the run's config.yaml that
+    evaluate.py and the exports read). `model.chat_template` given alone is used as it is; two
+    different templates are refused."""
+    from omegaconf import open_dict
+
+    from data.chat import template_text
+
+    data, model = cfg.get("data") or {}, cfg.get("model") or {}
+    wanted, have = data.get("chat_template"), model.get("chat_template")
+    if not wanted:
+        return
+    text = template_text(wanted)
+    if have and template_text(have) != text:
+        raise ConfigError(
+            "data.chat_template and model.chat_template name different templates; set one "
+            "(model.chat_template is the target's, used by training and evaluation alike)."
+        )
+    with open_dict(cfg):
+        cfg.model.chat_template = text
+        cfg.data.chat_template = None

@@ -84,6 +84,8 @@ class TrainResult:
     stopped_early: bool = False
     elapsed_s: float = 0.0
     planned_steps: int = 0  # the run length a time budget planned; 0: none
+    step_s: float = 0.0  # wall seconds in this process's optimizer steps (no validation)
+    step_tokens: int = 0  # the tokens those steps saw: the rate the progress bar shows
 
 
 class _HeadLoss(nn.Module):
@@ -166,7 +168,7 @@ class Trainer:
         self.state = TrainState(global_batch=self.global_batch)
         self._own_tracker = tracker is None
         self.tracker = tracker or Tracker(None, self.run_dir, is_main=acc.is_main_process)
-        self._last_loss: float | None = None
+        self._last_loss, self._step_wall = None, [0.0, 0]  # wall s in steps, their tokens
 
     # ---- the run -----------------------------------------------------------------------
 
@@ -243,6 +245,8 @@ class Trainer:
             stopped_early=stopped,
             elapsed_s=time.perf_counter() - started,
             planned_steps=state.planned_steps,
+            step_s=self._step_wall[0],
+            step_tokens=int(self._step_wall[1]),
         )
 
     def _train_step(self, stream: Iterator[dict], window: TrainWindow) -> None:
@@ -251,7 +255,7 @@ class Trainer:
         self.model.train()
         # tokens, loss tokens, micro-batches with a non-finite loss, CPU seconds (summed over
         # processes)
-        cpu_started = time.process_time()
+        cpu_started, wall_started = time.process_time(), time.perf_counter()
         tokens = torch.zeros(4, dtype=torch.float64, device=acc.device)
         for _ in range(self.cfg.grad_accum):
             batch = next(stream)
@@ -288,6 +292,8 @@ class Trainer:
         self.state.loss_tokens += int(tokens[1])
         self.state.cpu_s += float(tokens[3])
         window.tokens += int(tokens[0])
+        self._step_wall = [self._step_wall[0] + time.perf_counter() - wall_started,
+                           self._step_wall[1] + int(tokens[0])]  # fmt: skip
 
     def _clip_gradients(self) -> float | None:
         """Clip to `max_grad_norm` (0: no clipping, the norm is still measured)."""

