@@ -200,8 +200,24 @@ def tiny_setup(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qwen2_setup(tmp_path_factory):
-    """The same on a tiny random Qwen2 (llama.cpp's qwen2 graph, patched by the set-up)."""
-    return _eagle3_setup(tmp_path_factory.mktemp("llama_cpp_qwen2"), "qwen2")
+    """The same on a tiny random Qwen2 (llama.cpp's qwen2 graph, patched by the set-up). It
+    borrows SmolLM2's tokenizer, whose pre-tokenizer llama.cpp knows as "smollm"; transformers
+    loads it as a Qwen2Tokenizer by the folder's model type, which changes the fingerprint the
+    converter recognises pre-tokenizers by, so the converter is told the name."""
+    root = tmp_path_factory.mktemp("llama_cpp_qwen2")
+    real = llama_cpp.converter_script()
+    wrapper = root / "convert_with_smollm_pre.py"
+    wrapper.write_text(
+        "import runpy, sys\n"
+        f"sys.path.insert(0, {str(real.parent)!r})\n"
+        "from conversion import base\n"
+        "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'smollm'\n"
+        f"sys.argv[0] = {str(real)!r}\n"
+        f"runpy.run_path({str(real)!r}, run_name='__main__')\n"
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llama_cpp, "converter_script", lambda: wrapper)
+        return _eagle3_setup(root, "qwen2")
 
 
 def _eagle3_setup(root: Path, family: str):
