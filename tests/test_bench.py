@@ -197,6 +197,32 @@ def test_mismatches_are_found_with_their_gap(tiny_llama, tmp_path, tie):
     assert overall["near_tie_mismatches"] == (2 if tie > 1 else 0)  # random logits: no ties
 
 
+def test_the_first_method_can_stand_in_for_the_reference(tiny_llama, tmp_path):
+    """reference=first_method: no HF generate per request; outputs compare with the first
+    method's, and later turns continue with its answers."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    methods = build_methods(tiny_llama, ["plain", "head"], medusa(tiny_llama), resolve_tree(TREE))
+    calls = {"n": 0}
+    real = methods[0].run
+
+    def counted(ids, max_new):
+        calls["n"] += 1
+        return real(ids, max_new)
+
+    methods[0].run = counted
+    cfg = BenchConfig(name="tiny", path=str(prompts), max_new_tokens=8, warmup=0)
+    summary = run_benchmark(
+        tiny_llama, methods, BenchRun(cfg, reference="first_method"), tmp_path / "o"
+    )
+    assert summary["meta"]["reference"] == "plain" and calls["n"] == 4  # one run per request
+    rows = [
+        json.loads(line) for line in (tmp_path / "o" / "results.jsonl").read_text().splitlines()
+    ]
+    assert all(r["greedy_match"] for r in rows)  # the head is lossless against plain
+    with pytest.raises(ValueError, match="reference='hf'"):
+        BenchRun(cfg, reference="hf")
+
+
 def test_top2_gaps_and_first_difference(tiny_llama):
     ids = torch.tensor([[2, 10, 11, 12]])
     new = build_methods(tiny_llama, ["plain"])[0].run(ids, 5).tokens
@@ -452,6 +478,9 @@ def test_rows_are_kept_when_a_run_stops_early_and_the_report_rebuilds(tiny_llama
     out = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):
         run_benchmark(tiny_llama, methods, cfg, out)
+    early = json.loads((out / "summary.json").read_text())  # written by the stopped run itself
+    assert early["meta"]["stopped_early"] == "after 3 requests (Ctrl-C)"
+    assert early["methods"]["plain"]["overall"]["requests"] == 3
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert {(r["question_id"], r["method"]) for r in rows} == {
         (q, m) for q in (1, 2) for m in ("plain", "hf_generate")

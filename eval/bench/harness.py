@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -42,7 +41,13 @@ from eval.bench.methods import (
     head_method,
 )
 from eval.bench.openvino import OPENVINO_METHODS, build_openvino_methods, openvino_settings
-from eval.engine.generator import first_difference
+from eval.bench.ties import (  # the near-tie helpers, also imported from here by callers
+    FP32_TIE_FLOOR,  # noqa: F401
+    match_info,
+    near_tie_threshold,
+    rounding_step,  # noqa: F401
+    top2_gaps,
+)
 from eval.engine.tree_spec import resolve_tree
 from heads.interop.openvino import require_openvino
 
@@ -122,46 +127,15 @@ def encode_chat(tokenizer, messages: list[dict], chat_template: str | None = Non
     return torch.tensor([ids], dtype=torch.long)
 
 
-@torch.inference_mode()
-def top2_gaps(model, input_ids: Tensor, new_tokens: list[int]) -> list[tuple[float, float]]:
-    """(top-1 minus top-2 logit, top-1 logit) of the target at every new-token position of
-    prompt + new_tokens, computed in the target's own dtype."""
-    if not new_tokens:
-        return []
-    device = next(model.parameters()).device
-    seq = torch.cat([input_ids[0].cpu(), torch.tensor(new_tokens, dtype=torch.long)])[None]
-    logits = model(input_ids=seq.to(device), use_cache=False).logits[0].float()
-    start = input_ids.shape[1] - 1  # logits at t predict token t + 1
-    top2 = logits[start : start + len(new_tokens)].topk(2, dim=-1).values
-    return list(zip((top2[:, 0] - top2[:, 1]).tolist(), top2[:, 0].tolist()))
-
-
-# Mantissa bits of the dtypes a target may run in: a logit x is stored to a step of
-# 2**(floor(log2 |x|) - bits).
-_MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
-FP32_TIE_FLOOR = 1e-4  # fp32: batched and one-token kernels differ by more than one ulp
-
-
-def rounding_step(value: float, dtype: torch.dtype) -> float:
-    """The spacing of representable numbers of `dtype` around `value`."""
-    bits = _MANTISSA_BITS.get(dtype, 23)
-    return 2.0 ** (math.floor(math.log2(max(abs(value), 1e-30))) - bits)
-
-
-def near_tie_threshold(top1: float, dtype: torch.dtype, fixed: float | None = None) -> float:
-    """A greedy mismatch is a rounding divergence, not an error, when the target's top-2 gap at
-    the first differing token is at most this: `fixed` when given, else one rounding step of the
-    target's dtype at the top-1 logit (bf16 at a logit of 12: 0.0625), never below 1e-4."""
-    if fixed is not None:
-        return fixed
-    return max(FP32_TIE_FLOOR, rounding_step(top1, dtype))
-
-
 @dataclass
 class BenchRun:
     """What run_benchmark needs besides the target and the methods.
 
     chat_template: a template for tokenizers without one (see data.resolve_chat_template).
+    reference: "hf_generate" (every output is compared with HF greedy decoding of the target in
+    the harness's dtype, and later turns continue with its answers) or "first_method" (the first
+    method's own output stands in: for engines at a scale where the harness is too slow to run
+    every request; prove losslessness on a subset with the harness first).
     near_tie_gap: a greedy mismatch whose first differing token has a target top-1/top-2 logit
     gap at or below this is reported as a near tie (a rounding divergence); None: one rounding
     step of the target's dtype at that logit (see near_tie_threshold). meta: extra facts
@@ -172,18 +146,14 @@ class BenchRun:
     chat_template: str | None = None
     near_tie_gap: float | None = None
     meta: dict = field(default_factory=dict)
+    reference: str = REFERENCE
 
-
-def _match_info(rec: Record, ref: Record, gaps: Callable[[], list], tie) -> dict:
-    """How `rec` compares with the greedy reference: equal, or where it first differs, the
-    target's top-2 gap there and whether that is a near tie (`tie(top1) -> threshold`)."""
-    index = first_difference(rec.tokens, ref.tokens)
-    if index is None:
-        return {"greedy_match": True, "first_mismatch": None, "top2_gap": None, "near_tie": False}
-    all_gaps = gaps()
-    gap, top1 = all_gaps[index] if index < len(all_gaps) else (None, None)
-    near = gap is not None and gap <= tie(top1)
-    return {"greedy_match": False, "first_mismatch": index, "top2_gap": gap, "near_tie": near}
+    def __post_init__(self) -> None:
+        if self.reference not in (REFERENCE, "first_method"):
+            raise ConfigError(
+                f"reference={self.reference!r}: use {REFERENCE} (HF greedy decoding, the lossless "
+                "oracle) or first_method (the first method's output, for engines at scale)."
+            )
 
 
 def _baseline_info(rec: Record, records: dict, baseline: str | None) -> dict:
@@ -212,7 +182,10 @@ def _question_rows(target, methods, reference, question: dict, setup: BenchRun, 
         ids = encode_chat(tok, history, setup.chat_template)
         k = (start + turn - 1) % len(methods)  # rotate who goes first
         records = {m.name: m.run(ids, max_new) for m in [*methods[k:], *methods[:k]]}
-        ref = records[REFERENCE] if REFERENCE in records else reference.run(ids, max_new)
+        if setup.reference != REFERENCE:
+            ref = records[methods[0].name]
+        else:
+            ref = records[REFERENCE] if REFERENCE in records else reference.run(ids, max_new)
         memo: list[list] = []
 
         def gaps(ids=ids, ref=ref, memo=memo) -> list:
@@ -228,7 +201,7 @@ def _question_rows(target, methods, reference, question: dict, setup: BenchRun, 
             row |= {"method": method.name, "prompt_tokens": ids.shape[1]}
             row |= {"new_tokens": len(rec.tokens), **asdict(rec)}
             row |= _baseline_info(rec, records, getattr(method, "baseline", None))
-            rows.append(row | _match_info(rec, ref, gaps, tie))
+            rows.append(row | match_info(rec, ref, gaps, tie))
         answer = tok.decode(ref.tokens, skip_special_tokens=True)
         history.append({"role": "assistant", "content": answer})
     return rows
@@ -252,15 +225,22 @@ def run_benchmark(
     reference = HFGenerateMethod(REFERENCE, target.model, eos, pad)
     _warmup(methods, prompts, setup, target.tokenizer)
     rows: list[dict] = []
-    # Rows are written as each question finishes: a run stopped early keeps what it measured.
-    with open(out / "results.jsonl", "w") as f:
-        for i, question in enumerate(prompts):
-            done = len(rows) // len(methods)  # requests so far: rotates the running order
-            new = _question_rows(target, methods, reference, question, setup, done)
-            f.writelines(json.dumps(row) + "\n" for row in new)
-            f.flush()
-            rows += new
-            log.info("question %s done (%d/%d)", question["id"], i + 1, len(prompts))
+    # Rows are written as each question finishes; Ctrl-C summarises what was measured, then stops.
+    stopped = False
+    try:
+        with open(out / "results.jsonl", "w") as f:
+            for i, question in enumerate(prompts):
+                done = len(rows) // len(methods)  # requests so far: rotates the running order
+                new = _question_rows(target, methods, reference, question, setup, done)
+                f.writelines(json.dumps(row) + "\n" for row in new)
+                f.flush()
+                rows += new
+                log.info("question %s done (%d/%d)", question["id"], i + 1, len(prompts))
+    except KeyboardInterrupt:
+        if not rows:
+            raise
+        stopped = True
+        log.warning("interrupted: summarising the %d requests measured", len(rows) // len(methods))
     meta = {
         "bench": asdict(setup.bench),
         "methods": [m.name for m in methods],
@@ -272,13 +252,18 @@ def run_benchmark(
         "target": target.name_or_path,
         "device": str(target.model.device),
         "versions": _versions(),
+        "reference": REFERENCE if setup.reference == REFERENCE else methods[0].name,
         **setup.meta,
     }
+    if stopped:
+        meta["stopped_early"] = f"after {meta['num_requests']} requests (Ctrl-C)"
     baselines = {m.name: getattr(m, "baseline", None) or "plain" for m in methods}
     depths = {m.name: m.max_draft_depth for m in methods}
     summary = report.summarize(rows, depths, meta, baselines)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     report.write_report(summary, out)
+    if stopped:
+        raise KeyboardInterrupt(f"stopped early; summary of what was measured in {out}")
     return summary
 
 
@@ -363,7 +348,8 @@ def run(cfg) -> dict:
             "tree_depth": head_tree.depth,
         }
     _check_adapted(target, loaded, meta)
-    setup = BenchRun(bench, run_target.config.chat_template, cfg.near_tie_gap, meta)
+    reference = cfg.get("reference") or REFERENCE
+    setup = BenchRun(bench, run_target.config.chat_template, cfg.near_tie_gap, meta, reference)
     out_dir = cfg.get("out_dir") or _hydra_output_dir()
     try:
         summary = run_benchmark(target, methods, setup, out_dir)
