@@ -12,6 +12,9 @@ what resume counts on:
 
 - rows are appended one batch at a time and fsynced, so a killed run loses at most the batch in
   flight; a half-written last line is cut off on restart;
+- Ctrl-C stops at once (a server backend's answers in flight are dropped, its llama-server
+  stopped) after writing every conversation already finished, and raises `Interrupted` saying
+  how many are kept;
 - a restart reads the keys already written (the output and any per-rank part files) and skips
   them, so nothing is generated twice;
 - under `accelerate launch` rank r takes every W-th item and writes `OUT.rank{r}.jsonl`; when all
@@ -36,14 +39,15 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from data.chat import ChatEncoder
 from data.distill_work import WorkItem, run_batch, synthesis_specs, work_items
 from data.engines.hf_generation import HFGenerator
-from data.engines.server_generation import ServerBackendConfig, ServerGenerator
+from data.engines.server_generation import RequestPool, ServerBackendConfig, ServerGenerator
+from data.errors import Interrupted
 from data.parts import append_rows, merge_parts, part_files, part_path, read_rows, repair_tail
 from data.paths import atomic_write, resolve_path, sole_writer
 from data.synthesize import synthesis_spec, synthesize
@@ -289,51 +293,87 @@ def _distill_items(cfg, out, meta, synthesized, generator, rank, world_size, pro
         len(todo),
     )
     stats = {"rows": 0, "skipped": 0, "new_tokens": 0, "seconds": 0.0}
-    bar = _progress(len(todo), progress and rank == 0)
     t0 = time.perf_counter()
     if todo:
         with sole_writer(mine_path):  # two runs appending to one file would interleave rows
-            paths = (mine_path, skipped_path(out))
-            _generate_all(generator(), todo, cfg, meta, paths, stats, bar, t0)
-    if bar is not None:
-        bar.close()
+            gen = generator()  # a server that fails to start does so before the bar is drawn
+            bar = _progress(len(todo), progress and rank == 0)
+            try:
+                _generate_all(gen, todo, cfg, meta, (mine_path, skipped_path(out)), stats, bar, t0)
+            except KeyboardInterrupt as interrupt:  # counted from the files: Ctrl-C may have
+                kept = len(done_keys(out) & {item.key for item in items})  # cut a count short
+                raise Interrupted(
+                    f"{kept} of {len(items)} conversations kept in {mine_path}; rerun the same "
+                    "command to continue"
+                ) from interrupt
+            finally:
+                if bar is not None:
+                    bar.close()
     stats["tokens_per_s"] = stats["new_tokens"] / stats["seconds"] if stats["seconds"] else 0.0
     return stats
 
 
 def _generate_all(gen, todo, cfg: DistillConfig, meta: dict, paths, stats: dict, bar, t0) -> None:
     mine_path, skipped_file = paths
-    if cfg.backend == "hf":  # several batches per chunk: each batch holds prompts of similar length
-        chunks = (todo[s : s + 4 * cfg.batch_size] for s in range(0, len(todo), 4 * cfg.batch_size))
-        results = (run_batch(gen, chunk, cfg, meta) + (len(chunk),) for chunk in chunks)
-    else:
-        results = _stream_each(gen, todo, cfg, meta)
-    for rows, skipped, tokens, count in results:
+
+    def keep(rows: list, skipped: list, tokens: int, count: int = 1) -> None:
         append_rows(mine_path, rows)
         append_rows(skipped_file, skipped)
         stats["rows"] += len(rows)
         stats["skipped"] += len(skipped)
         stats["new_tokens"] += tokens
         stats["seconds"] = time.perf_counter() - t0
-        if bar is not None:
+        if bar is not None and cfg.backend == "hf":
             bar.update(count)
             bar.set_postfix(tok_s=f"{stats['new_tokens'] / stats['seconds']:.0f}")
 
+    if cfg.backend == "hf":  # several batches per chunk: each batch holds prompts of similar length
+        for start in range(0, len(todo), 4 * cfg.batch_size):
+            chunk = todo[start : start + 4 * cfg.batch_size]
+            keep(*run_batch(gen, chunk, cfg, meta), len(chunk))
+    else:
+        _stream_each(gen, todo, cfg, meta, keep, _server_progress(bar, gen, t0))
 
-def _stream_each(gen, todo: list[WorkItem], cfg: DistillConfig, meta: dict):
+
+def _server_progress(bar, gen, t0: float):
+    """A server stream's bar: conversations as they finish, and the tokens generated so far,
+    those of the answers still running included (a long answer ends minutes after it starts)."""
+    if bar is None:
+        return None
+    shown = {"tokens": 0, "asked": 0.0}
+
+    def tick(finished: int) -> None:
+        bar.update(finished - bar.n)
+        recent = time.perf_counter() - shown["asked"] < TICK_S  # asks the server every TICK_S
+        if recent and finished < bar.total:  # (and once at the end)
+            return
+        shown["asked"] = time.perf_counter()
+        shown["tokens"] = max(shown["tokens"], gen.tokens_generated())  # never counts back
+        rate = shown["tokens"] / max(time.perf_counter() - t0, 1e-9)
+        bar.set_postfix({"tokens": shown["tokens"], "tok_s": f"{rate:.0f}"})
+
+    return tick
+
+
+TICK_S = 2.0  # a server stream's progress (and a Ctrl-C caught by another thread) every this
+
+
+def _stream_each(gen, todo: list[WorkItem], cfg, meta: dict, keep, tick=None) -> None:
     """A server's work as a stream: every conversation runs its turns on its own, `parallel` at
     a time, and a slot takes the next conversation as soon as it is free, even while an earlier
     one is still running: no barrier where a group of conversations waits for its slowest
-    answer. Results are yielded in `todo`'s order (the file stays in order, so a prefix of it is
-    a budget): finished conversations behind a slow one wait in memory, at most 16 x `parallel`
-    of them. Within each window of that many, conversations start longest first (most
-    generations: answers plus synthesised follow-ups), so the run does not end on a tail of
-    multi-turn conversations whose turns must wait for each other while slots sit idle.
-    Yields (rows, skipped, new tokens, 1) per conversation."""
-    from concurrent.futures import FIRST_COMPLETED, wait
+    answer. `keep(rows, skipped, new tokens)` gets the conversations in `todo`'s order (the file
+    stays in order, so a prefix of it is a budget): finished conversations behind a slow one
+    wait in memory, at most 16 x `parallel` of them. Within each window of that many,
+    conversations start longest first (most generations: answers plus synthesised follow-ups),
+    so the run does not end on a tail of multi-turn conversations whose turns must wait for
+    each other while slots sit idle. `tick(finished conversations)` is called every TICK_S.
 
+    On Ctrl-C or a failed request it stops waiting at once: every finished conversation is
+    kept, those waiting behind an unfinished one included (so the file's order then differs
+    from an uninterrupted run's; the rows are the same), and the ones running are abandoned."""
     running_max, buffered_max = 2 * cfg.parallel, 16 * cfg.parallel
-    pool = ThreadPoolExecutor(max_workers=cfg.parallel)
+    pool = RequestPool(cfg.parallel)
     futures: dict = {}
     order = start_order(todo, buffered_max)
     submitted = written = 0
@@ -346,19 +386,30 @@ def _stream_each(gen, todo: list[WorkItem], cfg: DistillConfig, meta: dict):
                 and submitted - written < buffered_max
             ):
                 index = order[submitted]
-                future = pool.submit(run_batch, gen, [todo[index]], cfg, meta)
-                futures[index] = future
-                running.append(future)
+                futures[index] = pool.submit(run_batch, gen, [todo[index]], cfg, meta)
+                running.append(futures[index])
                 submitted += 1
             head = futures.get(written)  # None: not started yet (slots busy with longer ones)
             if head is None or not head.done():
-                wait(running, return_when=FIRST_COMPLETED)
+                done, _ = wait(running, timeout=TICK_S, return_when=FIRST_COMPLETED)
+                failed = next((f for f in done if f.exception() is not None), None)
+                if failed is not None:  # a dead server fails every request: stop at the first
+                    failed.result()
+                if tick is not None:
+                    tick(written + sum(f.done() for f in futures.values()))
                 continue
-            rows, skipped, tokens = futures.pop(written).result()
+            keep(*futures.pop(written).result())
             written += 1
-            yield rows, skipped, tokens, 1
-    finally:  # on an error (or a closed generator) drop what has not started
-        pool.shutdown(wait=True, cancel_futures=True)
+        if tick is not None:
+            tick(written)
+    except BaseException:  # Ctrl-C or a failure: keep what is done, in order, then stop
+        for index in sorted(futures):
+            future = futures[index]
+            if future.done() and not future.cancelled() and future.exception() is None:
+                keep(*future.result())
+        raise
+    finally:  # drop what has not started; what runs is abandoned (its server is stopped)
+        pool.close()
 
 
 def generations(item: WorkItem) -> int:

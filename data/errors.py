@@ -23,3 +23,8 @@ class NonFiniteError(DraftsmithError, ValueError):
 
 class FeatureRangeError(DraftsmithError, ValueError):
     """Target features do not fit the dtype chosen to store them (e.g. above float16's 65504)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a long step; the message says what was kept and how to continue. A
+    KeyboardInterrupt still, so code that lets Ctrl-C through lets this through."""

@@ -3,8 +3,10 @@
     python scripts/self_distill.py distill.out=outputs/distill/sd.jsonl distill.max_rows=100
     accelerate launch --num_processes 8 scripts/self_distill.py distill.out=... model=...
 
-Run it again with the same settings to continue a killed run; the output then trains a head with
-`data.sources=[{_target_: data.dataset.DataSource, path: OUT}]`.
+Run it again with the same settings to continue a killed or interrupted run (Ctrl-C keeps the
+finished conversations); the output then trains a head with
+`data.sources=[{_target_: data.dataset.DataSource, path: OUT}]`. A bad setting or an engine that
+fails prints one line (exit status 2; HYDRA_FULL_ERROR=1 shows the traceback).
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ import os
 import hydra
 from omegaconf import DictConfig
 
+from train.cli import report_user_errors
+
 log = logging.getLogger("self_distill")
 
 
 @hydra.main(config_path="../conf", config_name="distill", version_base="1.3")
+@report_user_errors
 def main(cfg: DictConfig) -> None:
     import torch
     from accelerate import PartialState

@@ -357,10 +357,44 @@ def test_a_server_stream_writes_in_file_order_whatever_order_it_starts(monkeypat
 
     monkeypatch.setattr(distill_mod, "run_batch", fake_run_batch)
     cfg = SimpleNamespace(parallel=1)  # one slot: starts happen in submission order
-    written = [rows[0]["id"] for rows, _, _, _ in distill_mod._stream_each(None, items, cfg, {})]
+    written = []
+    distill_mod._stream_each(None, items, cfg, {}, lambda rows, *_: written.append(rows[0]["id"]))
     assert written == [i.key for i in items]
     window = 16 * cfg.parallel
     assert started == [items[i].key for i in distill_mod.start_order(items, window)]
     assert started != written  # the order really changed
     first_window = {i.key for i in items[:window]}
     assert set(started[:window]) == first_window  # nothing of a later window ran ahead
+
+
+def test_an_interrupted_server_stream_keeps_every_finished_conversation(monkeypatch):
+    """Ctrl-C while the first conversation still runs: the stream stops waiting at once, keeps
+    the conversations that finished behind it (in order), drops the running one, and lets the
+    KeyboardInterrupt through."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import data.distill as distill_mod
+
+    items = _items([(1, 0)] * 6)
+    release = threading.Event()
+
+    def fake_run_batch(gen, batch, cfg, meta):
+        if batch[0].key == items[0].key:
+            release.wait(30)  # the slow head of the file
+        return [{"id": batch[0].key}], [], 1
+
+    def tick(finished):  # Ctrl-C once everything but the head has finished
+        if finished == len(items) - 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(distill_mod, "run_batch", fake_run_batch)
+    monkeypatch.setattr(distill_mod, "TICK_S", 0.05)
+    kept, t0 = [], time.monotonic()
+    keep = lambda rows, *_: kept.append(rows[0]["id"])  # noqa: E731
+    with pytest.raises(KeyboardInterrupt):
+        distill_mod._stream_each(None, items, SimpleNamespace(parallel=3), {}, keep, tick)
+    assert time.monotonic() - t0 < 10  # did not wait for the head
+    release.set()
+    assert kept == [i.key for i in items[1:]]

@@ -1,8 +1,12 @@
-"""One-line errors for the command-line entry points (train.py, evaluate.py).
+"""One-line errors for the command-line entry points (train.py, evaluate.py,
+scripts/self_distill.py).
 
-A user error (bad data, a bad setting, a damaged or mismatched file) is printed as one line that
-says what is wrong and how to fix it, and the process exits with status 2. Anything else is a bug
-and keeps Hydra's traceback. `HYDRA_FULL_ERROR=1` shows the full traceback for every error.
+A user error (bad data, a bad setting, a damaged or mismatched file, an engine such as
+llama-server that is missing, fails to start or dies) is printed as one line that says what is
+wrong and how to fix it, and the process exits with status 2. Ctrl-C prints one line too (what a
+long step kept, e.g. self-distillation's conversations) and exits with status 130. Anything else
+is a bug and keeps Hydra's traceback. `HYDRA_FULL_ERROR=1` shows the full traceback for every
+error.
 
 User errors are `data.errors.DraftsmithError` and its subclasses, the older error classes listed
 in `_known_user_errors`, missing files, OmegaConf errors (a missing `???` value, a broken
@@ -19,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
 
 
 def _known_user_errors() -> tuple[type[BaseException], ...]:
@@ -73,12 +78,19 @@ def one_line(exc: BaseException) -> str:
 
 
 def report_user_errors(main: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a Hydra task function: a user error becomes one line on stderr and exit status 2."""
+    """Wrap a Hydra task function: a user error becomes one line on stderr and exit status 2,
+    Ctrl-C one line and exit status 130."""
 
     @functools.wraps(main)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return main(*args, **kwargs)
+        except KeyboardInterrupt as exc:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            what = " ".join(str(exc).split())  # data.errors.Interrupted: what was kept
+            print(f"interrupted: {what}" if what else "interrupted", file=sys.stderr)
+            sys.exit(EXIT_INTERRUPTED)
         except Exception as exc:
             found = user_error(exc)
             if found is None or os.environ.get("HYDRA_FULL_ERROR") == "1":

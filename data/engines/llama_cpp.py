@@ -12,7 +12,7 @@ that starts llama.cpp processes.
         out = server.complete([1, 2, 3], n_predict=64)
 
 A server that fails to start, dies, or answers with an error raises `EngineError` quoting the
-end of the server's own log.
+end of the server's own log (a user error: the command lines print it as one line, exit 2).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from data.errors import DraftsmithError
 from data.paths import cache_root
 
 LLAMA_CPP_VERSION = "11434.0.0"
@@ -38,7 +39,7 @@ SERVER_BIN = "llama-server"
 SPEC_TYPES = ("draft-eagle3", "draft-dflash", "draft-dspark", "draft-simple", "ngram-simple")
 
 
-class EngineError(RuntimeError):
+class EngineError(DraftsmithError, RuntimeError):
     """llama.cpp is missing, failed to start, died, or refused a request."""
 
 
@@ -265,13 +266,17 @@ class LlamaServer:
             prefix="llama-server-", suffix=".log", delete=False
         )
         cmd = [str(binary), *self.config.args(self.port)]
-        self.proc = subprocess.Popen(
-            cmd,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
+        try:  # its own session: a terminal's Ctrl-C reaches Python, which stops it (stop())
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=self._log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        except OSError as e:  # not a program this machine runs (a broken or foreign build)
+            self._log_file.close()
+            raise EngineError(f"cannot run {binary}: {e.strerror}; {_setup_hint()}.") from None
         _LIVE.add(self)
         try:
             self._wait_healthy()
@@ -286,7 +291,8 @@ class LlamaServer:
             if self.proc.poll() is not None:
                 raise EngineError(
                     f"llama-server exited with code {self.proc.returncode} while starting "
-                    f"({self._model_names()}); its log ends:\n{self.log_tail()}"
+                    f"({self._model_names()}); its log {self._log_file.name} ends:\n"
+                    f"{self.log_tail()}"
                 )
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
@@ -301,16 +307,22 @@ class LlamaServer:
         )
 
     def stop(self) -> None:
+        """Stop the server and wait until it is gone: SIGTERM to its session, a second one after
+        a second, SIGKILL after 10 s. llama-server's graceful exit waits for its open
+        connections, and a stopped run's abandoned requests keep theirs open; on a second signal
+        it exits at once."""
         if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=10)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
+            for sig, wait_s in ((signal.SIGTERM, 1), (signal.SIGTERM, 9), (signal.SIGKILL, 10)):
                 try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=10)
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:  # gone already
+                    break
+                try:
+                    self.proc.wait(timeout=wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    if sig == signal.SIGKILL:
+                        raise
         _LIVE.discard(self)
         if self._log_file is not None:
             self._log_file.close()
@@ -343,6 +355,22 @@ class LlamaServer:
             data = f.read()
         self._log_seen += len(data)
         return data.decode("utf-8", "replace")
+
+    def tokens_in_flight(self) -> int:
+        """Tokens the server has generated so far for the requests it is still running (its
+        `/slots` endpoint, on by default); 0 where it does not answer within 2 s."""
+        try:
+            with urllib.request.urlopen(self.url + "/slots", timeout=2) as resp:
+                slots = json.loads(resp.read())
+        except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
+            return 0
+        total = 0
+        for slot in slots if isinstance(slots, list) else []:
+            state = slot.get("next_token") or {}
+            state = state[0] if isinstance(state, list) and state else state
+            if slot.get("is_processing") and isinstance(state, dict):
+                total += int(state.get("n_decoded", 0))
+        return total
 
     def complete(
         self,

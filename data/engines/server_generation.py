@@ -7,6 +7,11 @@ target sees is byte for byte the one the HF backend would feed; requests go out 
 one per server slot. The answers come back as token ids, cut at the first EOS, exactly like
 the HF backend's, so `data.distill` keeps its resume, sharding and refusal rules unchanged.
 
+Requests wait in daemon threads (RequestPool), never in a ThreadPoolExecutor: the interpreter
+joins an executor's threads before it exits, so a Ctrl-C would wait for every answer in flight
+(minutes, with 32 slots of long answers) before the process could end. Here an interrupted run
+stops its llama-server and exits at once; the threads' requests fail or are abandoned.
+
 vLLM:    vllm serve MODEL --port 8000            -> backend: openai, server_url: http://HOST:8000
 SGLang:  python -m sglang.launch_server --model-path MODEL --port 30000
                                                  -> backend: openai, server_url: http://HOST:30000
@@ -14,7 +19,10 @@ SGLang:  python -m sglang.launch_server --model-path MODEL --port 30000
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 from data.engines.llama_cpp import EngineError, LlamaServer, ServerConfig, post_json
@@ -47,6 +55,58 @@ class ServerBackendConfig:
             raise ValueError(f"distill.parallel={self.parallel}: need at least 1 slot.")
 
 
+class RequestPool:
+    """`workers` daemon threads that run submitted calls (server requests); `submit` gives a
+    concurrent.futures.Future. Unlike ThreadPoolExecutor's threads, which the interpreter joins
+    before it exits, these are left behind when the process ends, so nothing waits for an answer
+    in flight. `close` cancels what has not started; running calls end on their own."""
+
+    def __init__(self, workers: int) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._workers = workers
+        for i in range(workers):
+            threading.Thread(target=self._work, name=f"request-{i}", daemon=True).start()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 (handed to whoever reads the future)
+                future.set_exception(exc)
+
+    def close(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        for _ in range(self._workers):
+            self._jobs.put(None)
+
+
+def results(futures: Sequence[Future], tick_s: float = 1.0) -> list:
+    """The futures' results in order, the first failure raised as soon as it happens. The wait
+    wakes every `tick_s`: Python runs a signal handler (Ctrl-C) only in the main thread, and
+    only once that thread runs again, whichever thread the kernel delivered the signal to."""
+    pending = set(futures)
+    while pending:
+        done, pending = wait(pending, timeout=tick_s, return_when=FIRST_COMPLETED)
+        for future in done:
+            if future.exception() is not None:
+                raise future.exception()
+    return [future.result() for future in futures]
+
+
 class ServerGenerator:
     """The server counterpart of HFGenerator (data/engines/hf_generation.py): `generate(prompts,
     seed)` gives (answer ids without EOS, "eos" | "length") per prompt. A context manager:
@@ -67,6 +127,9 @@ class ServerGenerator:
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.eos = set(eos_ids)
         self.server: LlamaServer | None = None
+        self.closed = False
+        self._tokens_done = 0  # tokens of the answers returned so far
+        self._count_lock = threading.Lock()
 
     def __enter__(self) -> ServerGenerator:
         if self.cfg.backend == "llama_cpp":
@@ -85,6 +148,7 @@ class ServerGenerator:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.closed = True  # a request thread still running sends nothing more
         if self.server is not None:
             self.server.stop()
             self.server = None
@@ -105,16 +169,32 @@ class ServerGenerator:
             self.max_new_tokens if max_new_tokens is None else max_new_tokens,
         )
         seeds = [(seed + i) % 2**31 for i in range(len(prompts))]
-        with ThreadPoolExecutor(max_workers=self.cfg.parallel) as pool:
-            return list(pool.map(lambda p, s: self._one(p, s, *sampling), prompts, seeds))
+        if len(prompts) == 1:  # one turn of a streamed conversation: already in its own thread
+            return [self._one(prompts[0], seeds[0], *sampling)]
+        pool = RequestPool(min(self.cfg.parallel, len(prompts)))
+        try:
+            jobs = [pool.submit(self._one, p, s, *sampling) for p, s in zip(prompts, seeds)]
+            return results(jobs)
+        finally:
+            pool.close()
+
+    def tokens_generated(self) -> int:
+        """Tokens generated so far: those of the answers returned, plus (llama_cpp) those the
+        server holds of the answers still running, for a progress display."""
+        running = self.server.tokens_in_flight() if self.server is not None else 0
+        return self._tokens_done + running
 
     def _one(
         self, prompt: list[int], seed: int, temperature: float, top_p: float, limit: int
     ) -> tuple[list[int], str]:
+        if self.closed:
+            raise EngineError("the generator was closed (the run was stopped)")
         if self.cfg.backend == "llama_cpp":
             ids = self._llama_cpp(prompt, seed, temperature, top_p, limit)
         else:
             ids = self._openai(prompt, seed, temperature, top_p, limit)
+        with self._count_lock:
+            self._tokens_done += len(ids)
         cut = next((j for j, t in enumerate(ids) if t in self.eos), None)
         if cut is not None:
             return ids[:cut], "eos"
