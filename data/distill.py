@@ -209,8 +209,9 @@ def check_meta(out: Path, meta: dict) -> None:
             if old.get(key) != meta[key]:
                 raise ValueError(
                     f"{out} was generated with {key}={old.get(key)!r}, this run has "
-                    f"{meta[key]!r}. Continue with the same settings, or write to a new "
-                    "distill.out (or delete the old output and its .meta.json)."
+                    f"{meta[key]!r}. Continue with the same settings, or write to another file "
+                    "(data.self_distill.out; distill.out in scripts/self_distill.py), or delete "
+                    "the old output and its .meta.json."
                 )
         return
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -166,13 +166,13 @@ def test_another_dtype_generates_on_a_cast_copy(tiny_llama, tmp_path):
         new = new[:-1] if new and new[-1] == 3 else new
         assert row["messages"][1]["content"] == tok.decode(new, skip_special_tokens=True)
     # a file is never continued in another dtype
-    with pytest.raises(ValueError, match="settings.*new distill.out"):
+    with pytest.raises(ValueError, match="settings.*data.self_distill.out"):
         distill(tiny_llama, config(tmp_path, batch_size=1), progress=False)
 
 
 def test_other_settings_or_target_are_refused(tiny_llama, tiny_qwen2, tmp_path):
     distill(tiny_llama, config(tmp_path), progress=False)
-    with pytest.raises(ValueError, match="max_new_tokens.*new distill.out"):
+    with pytest.raises(ValueError, match="max_new_tokens.*data.self_distill.out"):
         distill(tiny_llama, config(tmp_path, max_new_tokens=7), progress=False)
     with pytest.raises(ValueError, match="target_fingerprint"):
         distill(tiny_qwen2, config(tmp_path), progress=False)
