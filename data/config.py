@@ -111,7 +111,8 @@ class DataConfig:
     feature_dtype: float16, bfloat16, float32, or int8 (disk only).
     feature_autocast: null (the target's own dtype) or bfloat16 / float16: extract features
         with the target's forward under torch.autocast in that dtype (bfloat16 runs 2.5x fp32's
-        speed on a CPU with AMX, within 1% of fp32's features: docs/throughput.md); recorded in
+        speed on a CPU with AMX, within 1% of fp32's features:
+        docs/reports/2026-12-01-throughput/throughput.md); recorded in
         the disk cache, whose folder it names. fast_bfloat16: bfloat16 on a GPU or on a CPU that
         multiplies bf16 in hardware (AMX or AVX512-BF16), null elsewhere (emulated bf16 is slower
         than fp32 there).

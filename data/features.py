@@ -7,7 +7,8 @@ data/feature_cache.py (``feature_meta`` and ``META_KEY`` tag its shards).
 
 ``autocast="bfloat16"`` runs the target's matrix products in bfloat16 under ``torch.autocast``
 (weights stay float32; 1.7x faster on an AVX-512-BF16 CPU, features within about 1% of float32's,
-docs/throughput.md). It changes the features, so the disk cache records it.
+docs/reports/2026-12-01-throughput/throughput.md). It changes the features, so the disk cache
+records it.
 
 The target is duck-typed: anything with ``features(input_ids, attention_mask, layers) -> dict``
 (``heads.target.Target`` is one); this module never imports ``heads/``.

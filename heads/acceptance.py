@@ -1,11 +1,11 @@
 """What a drafted chain is worth at decoding time, estimated from teacher-forced hits.
 
-Per-depth top-1 accuracy over every labelled position overstates a chain's acceptance length
-tau in three ways (docs/acceptance_gap.md measures each): a token outside the draft
-vocabulary is never accepted; depth d counts only when depths 1..d-1 were right (chain
-acceptance is conditional); and greedy decoding does not query the draft at every position but
-once per verification, at the position after the accepted tokens and the bonus token, so easy
-stretches are crossed in few queries and hard ones are queried at every token.
+Per-depth top-1 accuracy over every labelled position overstates a chain's acceptance length tau in
+three ways (docs/reports/2026-12-02-acceptance-gap/README.md measures each): a token outside the
+draft vocabulary is never accepted; depth d counts only when depths 1..d-1 were right (chain
+acceptance is conditional); and greedy decoding does not query the draft at every position but once
+per verification, at the position after the accepted tokens and the bonus token, so easy stretches
+are crossed in few queries and hard ones are queried at every token.
 
 `chain_walk` replays that: given, for each row t, how many leading drafted tokens the target
 would accept if decoding queried the draft there (`accepted_lengths`), it walks every assistant
@@ -117,7 +117,8 @@ def chain_stats(
     - `chain_tau_est_horizon` (with a horizon): the same over each turn's first `horizon` tokens,
       what a benchmark with max_new_tokens=horizon measures. Answers start harder than they go
       on (less of the answer to lean on), so this is lower and, for a head trained long on its
-      own corpus, the one that predicts a short benchmark (docs/acceptance_gap.md).
+      own corpus, the one that predicts a short benchmark
+      (docs/reports/2026-12-02-acceptance-gap/README.md).
     """
     hits = hits & labels
     out: dict[str, tuple[float, float]] = {}

@@ -26,7 +26,8 @@ a token that is not a label.
 
 Validation reports `tau_estimate` (each block's 1 + sum_k prod_{j<=k} (1 - TV_j): what speculative
 sampling at temperature 1 would accept, not greedy decoding) and, as DFlash, `chain_tau_est`: the
-tau greedy chain decoding measures on the target's own greedy text (docs/dspark_gap.md).
+tau greedy chain decoding measures on the target's own greedy text
+(docs/reports/2026-12-03-dspark-gap/README.md).
 
 Drafting (eval/engine/block_proposer.py) goes through `draft_chain`: one backbone forward, then the
 Markov walk (greedy or sampled, reporting the exact distribution each token was drawn from, so

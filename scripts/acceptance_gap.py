@@ -1,10 +1,11 @@
 """Split an EAGLE-3 head's validation-versus-decoding acceptance gap into its causes (issue 26).
 
     OMP_NUM_THREADS=1 python scripts/acceptance_gap.py --run-dir /work/runs/e3_base \\
-        --limit 32 --max-new-tokens 128 --out docs/acceptance_gap.json
+        --limit 32 --max-new-tokens 128 --out docs/reports/2026-12-02-acceptance-gap/gap.json
 
-What it measures and the commands behind the numbers: docs/acceptance_gap.md; the logic:
-eval/analysis/acceptance_gap.py (measure_run). Prints the causes table and the per-depth rates
+What it measures and the commands behind the numbers:
+docs/reports/2026-12-02-acceptance-gap/README.md; the logic: eval/analysis/acceptance_gap.py
+(measure_run). Prints the causes table and the per-depth rates
 (markdown) and writes every number to --out (JSON).
 """
 

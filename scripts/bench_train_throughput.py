@@ -4,7 +4,7 @@ steps per head (padded, packed, bf16 autocast, per-example targets) and disk fea
 
     nice -n 5 python scripts/bench_train_throughput.py --examples 32 --steps 4
 
-Writes docs/throughput.md (a table) and docs/throughput.json beside it.
+Writes docs/reports/2026-12-01-throughput/throughput.md (a table) and throughput.json beside it.
 """
 
 from __future__ import annotations

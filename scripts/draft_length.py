@@ -1,7 +1,8 @@
 """Pick the llama.cpp draft length (--spec-draft-n-max) that maximises tokens/s, from a benchmark.
 
     python scripts/draft_length.py outputs/eval/<run>            # an evaluate.py run dir
-    python scripts/draft_length.py outputs/eval/<run> --ceiling docs/engine_ceiling --type q4_0
+    python scripts/draft_length.py outputs/eval/<run> --type q4_0 \\
+        --ceiling docs/reports/2026-12-02-engine-ceiling
 
 The cost model and what --ceiling adds: docs/guides/llama_cpp.md ("Draft length").
 """

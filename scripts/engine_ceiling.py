@@ -2,7 +2,7 @@
 
 The logic lives in eval/studies/engine_ceiling.py.
 
-    python scripts/engine_ceiling.py --draft DRAFT.gguf --out docs/engine_ceiling
+    python scripts/engine_ceiling.py --draft DRAFT.gguf --out docs/reports/2026-12-02-engine-ceiling
 
 Per type: llama-bench's verify-cost curve, plain llama-server tokens/s, llama-server with the
 draft under forced acceptance (--spec-synth-rates) and with its own; break-even tau per type
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--own-chain", type=int, default=3, help="0: skip the draft's own run")
     p.add_argument("--prompts", type=int, default=8, help="MT-bench first turns")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--out", type=Path, default=Path("docs/engine_ceiling"))
+    p.add_argument("--out", type=Path, default=Path("docs/reports/2026-12-02-engine-ceiling"))
     args = p.parse_args(argv)
 
     from data.engines.llama_cpp import EngineError

@@ -1,4 +1,4 @@
-"""The steps of scripts/gpu_check.sh (docs/gpu_check.md); the work is eval/bench/gpu_check.py.
+"""The steps of scripts/gpu_check.sh (docs/guides/gpu_check.md); the work: eval/bench/gpu_check.py.
 
 python scripts/gpu_check.py env OUT_DIR          what this machine has (env.json); exit 1
                                                  when a package the checks need is missing

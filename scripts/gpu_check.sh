@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, as one prepared script (docs/gpu_check.md): bf16 training of every
+# The checks that need a GPU, as one prepared script (docs/guides/gpu_check.md): bf16 training of every
 # head type under DDP (single process on one GPU) and FSDP, DeepSpeed ZeRO-2 when installed, a
 # disk feature-cache build and a short speculative-decoding benchmark whose greedy output must
 # equal plain greedy. Tiny random targets with a character tokenizer built in-process: no

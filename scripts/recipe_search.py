@@ -1,8 +1,9 @@
-"""The recipe search: variants x training CPU-minute budgets x seeds (docs/recipes.md).
+"""The recipe search: variants x training CPU-minute budgets x seeds
+(docs/reports/2026-12-02-recipe-search/recipes.md).
 
     python scripts/recipe_search.py --data SD.jsonl --budgets 15 45 90 \\
         --variants '{baseline: [], muon: [trainer.optimizer=muon]}'
-    python scripts/recipe_search.py --report-only       # re-render docs/recipes.md
+    python scripts/recipe_search.py --report-only       # re-render that recipes.md
 
 Run the same command in a second shell to share the points (each runs under a lock, at
 --threads threads). eval/studies/recipes.py documents the data split, how a budget becomes a
@@ -37,7 +38,12 @@ def main() -> int:
                    "MT-bench, e.g. bench=jsonl bench.path=F.jsonl")  # fmt: skip
     p.add_argument("--baseline", default="baseline", help="the variant others are compared to")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "recipes")
-    p.add_argument("--docs", type=Path, default=REPO / "docs" / "recipes", help="report folder")
+    p.add_argument(
+        "--docs",
+        type=Path,
+        default=REPO / "docs" / "reports" / "2026-12-02-recipe-search" / "recipes",
+        help="report folder",
+    )
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args()
 

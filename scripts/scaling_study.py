@@ -1,8 +1,9 @@
-"""The scale study: what self-distilled data buys a draft (docs/scaling.md; the study itself is
-eval/studies/scaling.py, whose docstring says what each point trains and measures).
+"""The scale study: what self-distilled data buys a draft
+(docs/reports/2026-12-01-scaling/README.md; the study itself is eval/studies/scaling.py, whose
+docstring says what each point trains and measures).
 
     python scripts/scaling_study.py --data SD.jsonl --budgets 25000 100000 400000
-    python scripts/scaling_study.py --report-only          # re-render docs/scaling.md
+    python scripts/scaling_study.py --report-only   # re-render the report's table and plots
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """What a block drafter's validation says about greedy chain decoding (heads/dflash.py
 `walk_stats`, inherited by heads/dspark.py; the walk is heads/acceptance.py's).
 
-DSpark's `tau_estimate` (1 + sum of prefix products of 1 - TV over uniformly drawn anchors)
-promised 1.83 where decoding measured 1.31 (docs/block_drafters.md). On tiny heads fitted to a tiny
-target's greedy answers, so that chains are accepted for 0 to the whole block: the validation
-walk `chain_tau_est` is the tau greedy chain decoding measures on those answers, token for token
-and round for round, in padded and packed rows; DSpark's `tau_estimate` is not.
+DSpark's `tau_estimate` (1 + sum of prefix products of 1 - TV over uniformly drawn anchors) promised
+1.83 where decoding measured 1.31 (docs/reports/2026-12-01-block-drafters/README.md). On tiny heads
+fitted to a tiny target's greedy answers, so that chains are accepted for 0 to the whole block: the
+validation walk `chain_tau_est` is the tau greedy chain decoding measures on those answers, token
+for token and round for round, in padded and packed rows; DSpark's `tau_estimate` is not.
 """
 
 from __future__ import annotations

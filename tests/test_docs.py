@@ -18,6 +18,7 @@ from eval.publish import results_table
 
 ROOT = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 250
+SPEED_BF16 = Path("docs/reports/2026-12-01-speed-bf16")  # a committed report with a summary.json
 
 
 def _copy_checkout(tmp_path: Path) -> Path:
@@ -114,7 +115,7 @@ def test_every_committed_summary_is_named_by_a_sidecar():
 
 def test_a_drafting_method_without_a_row_entry_is_a_clear_error(tmp_path):
     root = _copy_checkout(tmp_path)
-    sidecar = root / "docs" / "speed_bf16" / "source.json"
+    sidecar = root / SPEED_BF16 / "source.json"
     data = json.loads(sidecar.read_text())
     del data["runs"][0]["rows"]["d24"]
     sidecar.write_text(json.dumps(data))
@@ -130,7 +131,7 @@ def test_missing_markers_are_a_clear_error():
 def test_report_md_reads_back_what_the_harness_wrote(tmp_path):
     """The fallback for a report committed without its summary.json: parse the harness's own
     report.md and get the summary's numbers (to its two decimals)."""
-    summary = json.loads((ROOT / "docs" / "speed_bf16" / "summary.json").read_text())
+    summary = json.loads((ROOT / SPEED_BF16 / "summary.json").read_text())
     path = tmp_path / "report.md"
     path.write_text(report.render_markdown(summary, []))
     parsed = results_table.summary_from_report_md(path)

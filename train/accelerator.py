@@ -55,7 +55,8 @@ def _release_other_precision(precision: str) -> None:
 
 def _check_cpu_precision(acc: Accelerator) -> None:
     """bf16 on a CPU runs the step under torch.autocast: fast with AMX or AVX512-BF16 (1.6-1.8x the
-    fp32 step on SmolLM2, docs/throughput.md), emulated and slower without."""
+    fp32 step on SmolLM2, docs/reports/2026-12-01-throughput/throughput.md), emulated and slower
+    without."""
     if acc.device.type != "cpu" or acc.mixed_precision != "bf16" or not acc.is_main_process:
         return
     if not cpu_has_fast_bf16():

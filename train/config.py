@@ -152,8 +152,9 @@ class TrainerConfig:
 def resolve_mixed_precision(mode: str) -> str:
     """'auto' becomes 'bf16' where CUDA supports it, else 'no'. 'fast_bf16' also takes bf16 on a
     CPU with bf16 matmuls in hardware (AMX or AVX512-BF16: the EAGLE-3 step 1.8-2.6x fp32's,
-    docs/throughput.md) and 'no' on one without, where autocast emulates bf16 and runs slower
-    than fp32 (the 20-minute and 2-hour EAGLE-3 recipes use it). Other modes pass through."""
+    docs/reports/2026-12-01-throughput/throughput.md) and 'no' on one without, where autocast
+    emulates bf16 and runs slower than fp32 (the 20-minute and 2-hour EAGLE-3 recipes use it).
+    Other modes pass through."""
     if mode not in ("auto", "fast_bf16"):
         return mode
     if mode == "fast_bf16":

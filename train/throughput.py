@@ -1,4 +1,5 @@
-"""Feature and training throughput (docs/throughput.md, scripts/bench_train_throughput.py):
+"""Feature and training throughput (docs/reports/2026-12-01-throughput/throughput.md,
+scripts/bench_train_throughput.py):
 tokens/s of feature extraction (fp32 target, bf16 weights, bf16 autocast) with the bf16 features'
 error against fp32, training-step tokens/s per head with padded and packed
 (`trainer.pack_tokens`) batches, in bf16 autocast (`trainer.mixed_precision=bf16` on a CPU) and
@@ -55,7 +56,7 @@ class ThroughputSettings:
     heads: list[str] = field(default_factory=default_heads)
     threads: int = 2
     parts: list[str] = field(default_factory=lambda: list(PARTS))
-    out: Path = Path("docs/throughput.md")
+    out: Path = Path("docs/reports/2026-12-01-throughput/throughput.md")
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.parts) - set(PARTS))

@@ -1,1 +1,2 @@
-"""Analyses of trained drafts: where measured numbers come from (docs/acceptance_gap.md)."""
+"""Analyses of trained drafts: where measured numbers come from
+(docs/reports/2026-12-02-acceptance-gap/README.md)."""

@@ -1,5 +1,6 @@
 """Where an EAGLE-3 draft's validation accuracy and its decoding acceptance part ways (issue 26;
-the measured split is in docs/acceptance_gap.md, made by scripts/acceptance_gap.py).
+the measured split is in docs/reports/2026-12-02-acceptance-gap/README.md, made by
+scripts/acceptance_gap.py).
 
 One primitive, `teacher_forced`, runs the training-time-test unroll of heads/eagle3.py over one
 sequence (the sequence's own tokens fed at every depth, fp32 target features) and gives, for each
@@ -307,7 +308,8 @@ def causes(result: dict) -> list[tuple[str, float, float | None]]:
 
 
 def markdown(result: dict) -> str:
-    """The causes table and the per-depth rates, as docs/acceptance_gap.md shows them."""
+    """The causes table and the per-depth rates, as
+    docs/reports/2026-12-02-acceptance-gap/README.md shows them."""
     lines = ["| step | chain tau | change |", "|---|---:|---:|"]
     for name, tau, change in causes(result):
         lines.append(f"| {name} | {tau:.3f} | {'' if change is None else f'{change:+.3f}'} |")

@@ -1,8 +1,8 @@
-"""The steps of scripts/gpu_check.sh (docs/gpu_check.md), each a function scripts/gpu_check.py
-calls: record the machine, build a tokenizer that needs no files, train under `accelerate launch`
-and record the distributed type each rank got, check a training run and a benchmark run, and
-gather every step into one table. Each check returns its record (with "ok") and writes it as
-check.json beside the run it checked.
+"""The steps of scripts/gpu_check.sh (docs/guides/gpu_check.md), each a function
+scripts/gpu_check.py calls: record the machine, build a tokenizer that needs no files, train under
+`accelerate launch` and record the distributed type each rank got, check a training run and a
+benchmark run, and gather every step into one table. Each check returns its record (with "ok") and
+writes it as check.json beside the run it checked.
 """
 
 from __future__ import annotations

@@ -34,12 +34,13 @@ from data.engines.llama_tools import CostCurve, verify_cost_curve
 from data.errors import ConfigError
 
 DEFAULT_RATES = [[0.6], [0.55, 0.30, 0.15], [0.75, 0.55, 0.40], [1.0, 1.0, 1.0]]
-# the full measurement behind docs/engine_ceiling (its report quotes it, {draft} filled in)
+# the full measurement behind docs/reports/2026-12-02-engine-ceiling (its report quotes it,
+# {draft} filled in)
 FULL_COMMAND = (
     "python scripts/engine_ceiling.py --model smollm2_135m --draft {draft} --threads 2 "
     "--types q4_0,auto,q4_k_m,q8_0,bf16,f32 --batches 1,2,4,8,16 --depth 256 --reps 5 "
     "--rates '0.6;0.55,0.30,0.15;0.75,0.55,0.40;1,1,1' --own-chain 3 --prompts 8 "
-    "--max-new-tokens 128 --out docs/engine_ceiling"
+    "--max-new-tokens 128 --out docs/reports/2026-12-02-engine-ceiling"
 )
 
 

@@ -75,7 +75,7 @@ class SearchConfig:
     data: Path | None = None
     seeds: list[int] = field(default_factory=lambda: [0])
     out: Path = REPO / "runs" / "recipes"
-    docs: Path = REPO / "docs" / "recipes"
+    docs: Path = REPO / "docs" / "reports" / "2026-12-02-recipe-search" / "recipes"
     val_rows: int = 44
     threads: int = 1
     turns: int = 32
@@ -105,7 +105,8 @@ class SearchConfig:
     @property
     def screening(self) -> bool:
         """turns=0 with no custom bench: held-out metrics only, no decoding (a screening round;
-        the held-out chain estimate tracks MT-bench chain-3 tau, docs/acceptance_gap.md)."""
+        the held-out chain estimate tracks MT-bench chain-3 tau,
+        docs/reports/2026-12-02-acceptance-gap/README.md)."""
         return not self.bench and self.turns == 0
 
     @property

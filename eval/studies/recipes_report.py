@@ -1,4 +1,5 @@
-"""The recipe search's report: docs/recipes.md and its plot, rendered from DOCS/results.json.
+"""The recipe search's report: docs/reports/2026-12-02-recipe-search/recipes.md and its plot,
+rendered from DOCS/results.json.
 
 The generated part sits between two markers; text outside them (the hand-written notes: what
 helped, what did not, which limit remains) is kept when the report is rendered again.
@@ -32,7 +33,8 @@ What helped, what did not (with the numbers above), and which limit remains: wri
 
 
 def render(results: dict, docs: Path) -> Path:
-    """Write DOCS.md (e.g. docs/recipes.md for docs/recipes) and DOCS/tau_vs_cpu.png."""
+    """Write DOCS.md and DOCS/tau_vs_cpu.png (e.g. recipes.md beside recipes/ in
+    docs/reports/2026-12-02-recipe-search)."""
     report = docs.with_name(docs.name + ".md")
     points = results.get("points", {})
     docs.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,8 @@
-"""The scale study: what self-distilled data buys a draft (docs/scaling.md,
-scripts/scaling_study.py).
+"""The scale study: what self-distilled data buys a draft
+(docs/reports/2026-12-01-scaling/README.md, scripts/scaling_study.py).
 
     python scripts/scaling_study.py --data SD.jsonl --budgets 25000 100000 400000
-    python scripts/scaling_study.py --report-only          # re-render docs/scaling.md
+    python scripts/scaling_study.py --report-only   # re-render the report's table and plots
 
 SD.jsonl is a self-distilled conversations file (e.g. the smollm2_synth_long data, which may
 still be growing: run `scripts/prepare_data.py +experiment=eagle3_llama data=smollm2_synth_long`
@@ -23,8 +23,9 @@ budget sample each source.
 
 Resumable: a point whose head exists is not trained again, an evaluation with a summary is not
 rerun, and a budget larger than the data written so far waits for a later invocation. Results
-accumulate in docs/scaling/results.json (merged point by point, so two invocations on different
-points may run side by side); the report and plots are rendered from it.
+accumulate in docs/reports/2026-12-01-scaling/scaling/results.json (merged point by point, so
+two invocations on different points may run side by side); the report and plots are rendered
+from it.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class StudyConfig:
     per method; compare: extra points, `corpus_prompts=FILE` or `human`, at the first budget;
     dynamic_at: budgets at which EAGLE-3 is also measured with the dynamic tree (null: every).
     gen_tokens_per_s: the generation rate of --data, for the minutes axis; threads: torch
-    threads per run; out: runs; docs: where docs/scaling/ (results, table, plot) goes.
+    threads per run; out: runs; docs: the folder that holds scaling/ (results, table, plot):
+    docs/reports/2026-12-01-scaling.
     """
 
     data: Path | None = None
@@ -78,7 +80,7 @@ class StudyConfig:
     compare: list[str] = field(default_factory=list)
     dynamic_at: list[int] | None = None
     out: Path = REPO / "outputs" / "scaling"
-    docs: Path = REPO / "docs"
+    docs: Path = REPO / "docs" / "reports" / "2026-12-01-scaling"
     report_only: bool = False
 
     def __post_init__(self) -> None:

@@ -271,8 +271,8 @@ def gguf_for_target(cfg, choice: TargetGGUF = TargetGGUF()) -> Path:
 # Which type a CPU runs fastest depends on its kernels, not on the bits alone: llama.cpp's x86
 # backend has multi-token matmul paths and weight repacking for Q4_0, Q4_K, Q8_0, BF16 and F32
 # but not for Q4_1 (the embedded SmolLM2 file), so a speculative verify of k tokens costs very
-# different multiples of one token per type (docs/engine_ceiling). Each type is made once from the
-# target's Hugging Face folder and cached beside the converter's output
+# different multiples of one token per type (docs/reports/2026-12-02-engine-ceiling). Each type
+# is made once from the target's Hugging Face folder and cached beside the converter's output
 # (`<cache_dir>/gguf/<name>-<digest>-<type>.gguf`): f32 and bf16 by llama.cpp's converter,
 # q4_0 / q4_k_m / q8_0 by llama-quantize from the f32 file (lossless from any HF dtype), so a
 # quantised target is exactly what `llama-quantize model-f32.gguf TYPE` gives a user. `auto` is

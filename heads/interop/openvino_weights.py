@@ -2,8 +2,9 @@
 
 What CPU users of OpenVINO run is rarely an f32 IR: optimum-intel's exports default to 8-bit
 weights and offer 4-bit, and on a memory-bound 2-core CPU that is the fastest plain decoding the
-engine has. So a speed claim for OpenVINO needs those types beside f32 (docs/xeon_amx: 4-bit
-plain decodes faster than the f32 IR's GenAI default there).
+engine has. So a speed claim for OpenVINO needs those types beside f32
+(docs/reports/2026-12-04-xeon-amx: 4-bit plain decodes faster than the f32 IR's GenAI default
+there).
 
 The pass rewrites every MatMul whose second input is a 2-D f32 constant (every linear layer and
 the LM head; the embedding gather keeps its f32 table, of which decoding reads one row a token)
