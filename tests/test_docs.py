@@ -261,3 +261,40 @@ def test_every_relative_link_resolves():
 def test_readme_is_a_short_read():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines"
+
+
+# ---- configs say what and why; the history is a report's ------------------------------------
+
+EXPERIMENT_MAX_COMMENT_LINES = 12
+
+
+def test_experiment_files_are_short_on_comments():
+    """An experiment file says what it trains, its budget and its result in a few lines; what was
+    tried before belongs to a dated report (inline comments on settings count too)."""
+    long = {
+        path.name: n
+        for path in sorted((ROOT / "conf" / "experiment").glob("*.yaml"))
+        if (n := sum("#" in line for line in path.read_text().splitlines()))
+        > EXPERIMENT_MAX_COMMENT_LINES
+    }
+    assert not long, f"more than {EXPERIMENT_MAX_COMMENT_LINES} comment lines: {long}"
+
+
+def test_docs_paths_named_in_configs_exist():
+    missing = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in sorted((ROOT / "conf").rglob("*.yaml"))
+        for name in re.findall(r"\bdocs/[\w./-]*\w", path.read_text())
+        if not (ROOT / name).exists()
+    ]
+    assert not missing, "configs name docs paths that do not exist:\n" + "\n".join(missing)
+
+
+def test_docs_top_level_holds_guides_reference_results_reports():
+    allowed = {"guides", "reports", "reference.md", "results.md", "CHANGELOG.md", "README.md"}
+    assert {p.name for p in (ROOT / "docs").iterdir()} <= allowed
+    dated = re.compile(r"\d{4}-\d\d-\d\d-[a-z0-9-]+")
+    reports = [p for p in (ROOT / "docs" / "reports").iterdir() if p.is_dir()]
+    assert reports and all(dated.fullmatch(p.name) for p in reports)
+    index = (ROOT / "docs" / "reports" / "README.md").read_text()
+    assert [p.name for p in reports if f"({p.name}/" not in index] == []
