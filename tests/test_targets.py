@@ -295,3 +295,19 @@ def test_a_target_llama_cpp_cannot_serve_a_draft_on_is_refused_up_front():
         check_llama_cpp_serves(Stub(kind))
     with pytest.raises(ValueError, match="cannot serve a draft on a 'phi3' target"):
         check_llama_cpp_serves(Stub("phi3"))
+
+
+def test_evaluation_takes_the_template_of_the_heads_run(tmp_path):
+    run = tmp_path / "run"
+    (run / "head").mkdir(parents=True)
+    (run / "config.yaml").write_text("model:\n  chat_template: 'User: {{ x }}'\n")
+    cfg = OmegaConf.create(
+        {"head_path": str(run / "head"), "model": {"chat_template": None}, "data": {}}
+    )
+    fold_chat_template(cfg)
+    assert cfg.model.chat_template == "User: {{ x }}"
+    given = OmegaConf.create(
+        {"head_path": str(run / "head"), "model": {"chat_template": "chatml"}, "data": {}}
+    )
+    fold_chat_template(given)
+    assert "<|im_start|>" in given.model.chat_template  # the user's own, as text

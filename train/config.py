@@ -172,14 +172,19 @@ def fold_chat_template(cfg) -> None:
     model without one) is written into `model.chat_template` as template text, so the target's
     tokenizer carries it everywhere (data, checkpoint evaluation, the run's config.yaml that
     evaluate.py and the exports read). `model.chat_template` given alone is used as it is; two
-    different templates are refused."""
+    different templates are refused. A template file is replaced by its text. With `head_path`
+    (evaluate.py) and no template given, the template of the run that head came from is used."""
     from omegaconf import open_dict
 
     from data.chat import template_text
 
+    _template_of_the_heads_run(cfg)
     data, model = cfg.get("data") or {}, cfg.get("model") or {}
     wanted, have = data.get("chat_template"), model.get("chat_template")
     if not wanted:
+        if have:  # a file's text, so the run's config.yaml carries the template itself
+            with open_dict(cfg):
+                cfg.model.chat_template = template_text(have)
         return
     text = template_text(wanted)
     if have and template_text(have) != text:
@@ -190,3 +195,20 @@ def fold_chat_template(cfg) -> None:
     with open_dict(cfg):
         cfg.model.chat_template = text
         cfg.data.chat_template = None
+
+
+def _template_of_the_heads_run(cfg) -> None:
+    """evaluate.py head_path=RUN/head without model.chat_template: RUN's own template, if set."""
+    from omegaconf import OmegaConf, open_dict
+
+    head = cfg.get("head_path")
+    model = cfg.get("model") or {}
+    if not head or model.get("chat_template") or (cfg.get("data") or {}).get("chat_template"):
+        return
+    run_config = Path(str(head)).expanduser().parent / "config.yaml"
+    if not run_config.is_file():
+        return
+    template = (OmegaConf.load(run_config).get("model") or {}).get("chat_template")
+    if template:
+        with open_dict(cfg):
+            cfg.model.chat_template = template
