@@ -14,7 +14,7 @@ import pytest
 
 from data.errors import DraftsmithError
 from eval.bench import report
-from eval.publish import results_table
+from eval.publish import readme_table, results_table
 
 ROOT = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 250
@@ -22,9 +22,10 @@ SPEED_BF16 = Path("docs/reports/2026-12-01-speed-bf16")  # a committed report wi
 
 
 def _copy_checkout(tmp_path: Path) -> Path:
-    """README.md and docs/ in a scratch folder, so a test can change them."""
+    """README.md, docs/ and the recipes in a scratch folder, so a test can change them."""
     shutil.copy(ROOT / "README.md", tmp_path / "README.md")
     shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    shutil.copytree(ROOT / "conf" / "experiment", tmp_path / "conf" / "experiment")
     return tmp_path
 
 
@@ -66,24 +67,63 @@ def test_check_fails_after_a_deliberate_change(tmp_path):
     summary.write_text(json.dumps(data))
     message = results_table.check(root)
     assert message is not None and "README.md" in message and "\n" not in message
-    assert "| 2.50 |" in results_table.render(root)[root / "README.md"]
+    assert "| 2.50 on " in results_table.render(root)[root / "README.md"]
     # writing brings both files back in line, and the new number is in them
     assert set(results_table.write(root)) == {root / "README.md", root / "docs" / "results.md"}
     assert results_table.check(root) is None
-    assert "| 2.50 |" in (root / "README.md").read_text()
+    assert "| 2.50 on " in (root / "README.md").read_text()
 
 
 def test_a_hand_edit_of_the_readme_table_is_caught(tmp_path):
     root = _copy_checkout(tmp_path)
     readme = root / "README.md"
     block = readme.read_text().split(results_table.START)[1].split(results_table.END)[0]
-    row = next(line for line in block.splitlines() if "`eagle3_llama_long`" in line)
-    # change the row's first number cell (its tau), whatever today's value is
+    row = next(line for line in block.splitlines() if line.startswith("| `eagle3_llama_long`"))
+    # change the row's tau cell, whatever today's value is
     cells = row.split("|")
-    i = next(i for i, c in enumerate(cells) if re.fullmatch(r" \d+\.\d\d ", c))
-    cells[i] = " 9.99 "
+    i = next(i for i, c in enumerate(cells) if re.match(r" \d+\.\d\d on ", c))
+    cells[i] = re.sub(r"\d+\.\d\d", "9.99", cells[i], count=1)
     readme.write_text(readme.read_text().replace(row, "|".join(cells)))
     assert "README.md" in results_table.check(root)
+
+
+def _readme_block() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    return text.split(results_table.START)[1].split(results_table.END)[0].strip().splitlines()
+
+
+def test_readme_shows_one_row_per_recipe_and_which_to_use():
+    block = _readme_block()
+    table = [line for line in block if line.startswith("|")]
+    header, rows = table[0], table[2:]
+    assert header == "| " + " | ".join(readme_table.COLUMNS) + " |"
+    assert 0 < len(rows) <= readme_table.README_MAX_ROWS
+    names = [re.match(r"\| `(\w+)`", row).group(1) for row in rows]
+    assert len(set(names)) == len(names)
+    assert all((ROOT / "conf" / "experiment" / f"{name}.yaml").is_file() for name in names)
+    taus = [float(re.search(r"\| (\d+\.\d\d) on ", row).group(1)) for row in rows]
+    assert taus == sorted(taus, reverse=True)
+    which = next(line for line in block if line.startswith("**Which recipe:**"))
+    assert which.startswith(f"**Which recipe:** `{names[0]}` for the best tau")
+    assert "stop 4" not in "\n".join(block)  # rows say what ran, not which session ran it
+
+
+def test_two_readme_rows_of_one_recipe_are_a_clear_error(tmp_path):
+    root = _copy_checkout(tmp_path)
+    sidecar, index, key = next(
+        (path, i, k)
+        for path in sorted((root / "docs").rglob(results_table.SIDECAR))
+        for i, run in enumerate(json.loads(path.read_text())["runs"])
+        for k, spec in run.get("rows", {}).items()
+        if spec.get("readme") and len(run["rows"]) > 1
+    )
+    data = json.loads(sidecar.read_text())
+    rows = data["runs"][index]["rows"]
+    other = next(k for k in rows if k != key)
+    rows[other] = {**rows[key], "readme": True}  # the same recipe, shown twice
+    sidecar.write_text(json.dumps(data))
+    with pytest.raises(DraftsmithError, match="one per recipe .* marked twice"):
+        results_table.render(root)
 
 
 def test_script_check_exits_1_with_one_line(tmp_path, capsys):

@@ -11,6 +11,7 @@ in the report's folder: the recipe that trained each head, the date, the machine
 
 Every drafting method of a summary needs an entry in `rows` (baselines, which draft nothing, are
 left out); an entry may override any derived cell (`method`, `tree`, `target`, `benchmark`).
+`"readme": true` makes a row its recipe's line in the README (eval/publish/readme_table.py).
 `render(root)` returns the files as they should be; `check` and `write` compare or replace them.
 """
 
@@ -24,8 +25,8 @@ from pathlib import Path
 from data.errors import DraftsmithError
 from data.paths import atomic_write
 from eval.engine.method_names import split_name
+from eval.publish.readme_table import END, START, readme_block, recipe_budgets
 
-START, END = "<!-- results:start -->", "<!-- results:end -->"
 RESULTS_MD = Path("docs/results.md")
 SIDECAR = "source.json"
 MT_BENCH_CATEGORIES = tuple(
@@ -38,6 +39,7 @@ BASELINE_NAMES = {
     "openvino_plain": "OpenVINO plain",
 }
 OVERRIDES = ("method", "tree", "target", "benchmark")
+ENGINE_NAMES = {"llama_cpp": "llama.cpp", "openvino": "OpenVINO"}
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class Row:
     tau: float
     tokens_per_s: float | None
     speedup: str
+    speedup_vs_fastest: str  # the README's: against the engine's fastest plain decoding
     changed: str
     target: str
     machine: str
@@ -219,6 +222,21 @@ def _speedup(meta: dict, key: str, entry: dict) -> str:
     return "no baseline in this run"
 
 
+def _speedup_vs_fastest(meta: dict, key: str, entry: dict) -> str:
+    """Against the fastest plain decoding of the method's engine in its run; where the run
+    measured no other plain decoding of that engine (the HF harness runs one), against its own
+    baseline, saying so."""
+    overall, base = entry["overall"], entry.get("baseline") or "plain"
+    fastest, engine = _fastest(meta, key), ENGINE_NAMES.get(split_name(key)[0].rsplit("_", 1)[0])
+    if engine and fastest and overall.get("speedup_vs_fastest_plain") is not None:
+        kind = (fastest.get("type") or split_name(fastest["method"])[1]).upper()
+        return f"{overall['speedup_vs_fastest_plain']:.2f}x vs fastest {engine} plain ({kind})"
+    if overall.get("speedup_vs_plain") is None:
+        return "no baseline in this run"
+    name = BASELINE_NAMES.get(split_name(base)[0], base)
+    return f"{overall['speedup_vs_plain']:.2f}x vs {name} (no faster plain of this engine measured)"
+
+
 def _changed(key: str, overall: dict) -> str:
     """Outputs that differ from the method's own engine's greedy decoding: for an engine method
     (llama.cpp, OpenVINO) its engine's plain output, whose kernels differ from HF's."""
@@ -266,6 +284,7 @@ def _rows_of_run(run: Run, summary: dict, specs: dict, where: Path) -> list[Row]
                 tau=entry["overall"]["tau"],
                 tokens_per_s=entry["overall"].get("tokens_per_s"),
                 speedup=_speedup(meta, key, entry),
+                speedup_vs_fastest=_speedup_vs_fastest(meta, key, entry),
                 changed=_changed(key, entry["overall"]),
                 machine=machine,
                 date=run.date,
@@ -321,8 +340,6 @@ def load(root: Path) -> tuple[list[Run], list[Row]]:
 
 # ---- rendering -------------------------------------------------------------------------------
 
-_COLUMNS = "recipe|method|benchmark|tree|tau|speedup|changed outputs|target|machine|date|report"
-README_COLUMNS = _COLUMNS.split("|")
 RESULTS_COLUMNS = (
     "run|recipe|method|benchmark|new tokens|tree|tau|tokens/s|speedup|changed outputs"
     "|target|machine|date|report"
@@ -359,16 +376,6 @@ def _cells(row: Row, columns: list[str], link_prefix: str) -> list[str]:
 def _table(rows: list[Row], columns: list[str], link_prefix: str) -> list[str]:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     return lines + ["| " + " | ".join(_cells(r, columns, link_prefix)) + " |" for r in rows]
-
-
-def readme_block(rows: list[Row]) -> str:
-    """The README's table (rows a sidecar marks `readme`, highest tau first), with markers."""
-    shown = sorted((r for r in rows if r.readme), key=lambda r: -r.tau)
-    note = (
-        "<!-- written by `python scripts/results_table.py --write` from docs/**/summary.json "
-        "and source.json; edit those, not this table -->"
-    )
-    return "\n".join([START, note, *_table(shown, README_COLUMNS, "docs/"), END])
 
 
 def results_md(runs: list[Run], rows: list[Row]) -> str:
@@ -411,7 +418,7 @@ def render(root: Path) -> dict[Path, str]:
     runs, rows = load(root)
     readme = root / "README.md"
     return {
-        readme: splice(readme.read_text(), readme_block(rows)),
+        readme: splice(readme.read_text(), readme_block(rows, recipe_budgets(root))),
         root / RESULTS_MD: results_md(runs, rows),
     }
 
