@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+REPORT = REPO / "docs" / "reports" / "2026-12-02-recipe-search" / "recipes"
 sys.path.insert(0, str(REPO))
 
 
@@ -38,12 +39,7 @@ def main() -> int:
                    "MT-bench, e.g. bench=jsonl bench.path=F.jsonl")  # fmt: skip
     p.add_argument("--baseline", default="baseline", help="the variant others are compared to")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "recipes")
-    p.add_argument(
-        "--docs",
-        type=Path,
-        default=REPO / "docs" / "reports" / "2026-12-02-recipe-search" / "recipes",
-        help="report folder",
-    )
+    p.add_argument("--docs", type=Path, default=REPORT, help="report folder")
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args()
 
