@@ -184,12 +184,32 @@ def test_eagle3_schema(llama6, tmp_path):
     assert torch.equal(tensors["t2d"].nonzero()[:, 0], ids)
 
 
-def test_eagle3_full_vocab_writes_identity_maps(llama6, tmp_path):
-    interop.export_draft(_eagle3(llama6), llama6, "eagle3", tmp_path / "e3")
-    config, _, shapes, tensors = _files(tmp_path / "e3")
-    assert config["draft_vocab_size"] == config["vocab_size"] == V
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+def test_eagle3_full_vocab_writes_no_maps(llama6, tmp_path, fmt):
+    """A draft over the whole vocabulary has the identity map: written as no d2t / t2d, since
+    vLLM builds no draft_id_to_target_id for it and refuses a checkpoint that has one; the
+    importer reads their absence as the identity."""
+    head = _eagle3(llama6)
+    interop.export_draft(head, llama6, fmt, tmp_path / fmt)
+    config, _, shapes, _ = _files(tmp_path / fmt)
+    assert config["draft_vocab_size"] == V
     assert shapes["lm_head.weight"] == (F32, (V, H))
-    assert not tensors["d2t"].any() and bool(tensors["t2d"].all())
+    assert "d2t" not in shapes and "t2d" not in shapes
+    back = interop.import_draft(tmp_path / fmt, llama6)
+    assert torch.equal(back.d2t, head.d2t) and torch.equal(back.t2d, head.t2d)
+    _same_eagle_outputs(head, back)
+
+
+def test_speculators_names_the_local_verifier_it_is_given(llama6, tmp_path):
+    """`vllm serve EXPORT` loads the verifier its config names: the folder the target loaded
+    from when the exporter gives one (offline), else the target's recorded name (a Hub id)."""
+    head = _eagle3(llama6, draft_vocab_size=50)
+    local = tmp_path / "targets" / "tiny"
+    config = interop.export_draft(head, llama6, "speculators", tmp_path / "a", verifier=str(local))
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(local)
+    assert config["draftsmith"]["base_model"] == "tiny-llama6"  # the provenance keeps the name
+    config = interop.export_draft(head, llama6, "speculators", tmp_path / "b")
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny-llama6"
 
 
 # Source: vLLM 0.33 vllm/model_executor/models/llama_eagle.py (EagleLlamaForCausalLM; the EAGLE

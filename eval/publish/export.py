@@ -149,12 +149,17 @@ def export_draft(
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists: choose another --out, or pass --overwrite.")
     context = run_context(run_dir)
-    target = target if target is not None else run_target(head_dir, context).target
+    loaded = run_target(head_dir, context) if target is None else None
+    target = target if target is not None else loaded.target
     head = heads.from_pretrained(head_dir, target).eval()
+    # a speculators export names its verifier: the local folder the target loaded from, so that
+    # `vllm serve OUT` runs offline; an upload keeps the Hub id, which means something elsewhere
+    local = loaded is not None and not push and Path(loaded.source).is_dir()
+    verifier = str(Path(loaded.source).resolve()) if local else None
     found: dict = {}
 
     def write(folder: Path) -> None:  # into a temporary folder, moved to `out` only at the end
-        config = interop.export_draft(head, target, fmt, folder)
+        config = interop.export_draft(head, target, fmt, folder, verifier=verifier)
         imported, imported_target = _reimport(folder, fmt, target, head_dir, context)
         check = round_trip(head, target, imported, imported_target, check_prompts, check_tokens)
         summary = _bench_summary(bench)

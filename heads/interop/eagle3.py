@@ -7,7 +7,8 @@ draft layer's HF config under `transformer_layer_config` and beside it `draft_vo
 `target_hidden_size`, `eagle_aux_hidden_state_layer_ids` (HF hidden_states indices, vLLM's
 convention) and `speculators_config` (algorithm, greedy proposal, verifier). The tensors are the
 engines' eagle3 layout's: unprefixed `fc`, `fc_norm.{i}`, `layers.0.*`, `norm`, `lm_head`, `d2t`,
-`t2d`. speculators also saves `embed_tokens` (the verifier's, frozen); we leave it out, as its
+`t2d` (no maps for a full-vocabulary draft). The verifier is what `vllm serve DIR` loads as the
+target: the exporter may name the local folder the target came from. speculators also saves `embed_tokens` (the verifier's, frozen); we leave it out, as its
 loader allows, and drop it on import after checking it is the target's. vLLM's speculators reader
 takes a missing `norm_before_residual` as true, so the export always writes it.
 """
@@ -29,9 +30,10 @@ EAGLE3_FIELDS = (
 )
 
 
-def export_speculators_eagle3(head: Eagle3Head, target, layer_keys: dict, version: str):
-    """(config, tensors) of speculators' Eagle3Speculator layout; `layer_keys` is the draft
-    layer's Llama config (export.py `_llama_keys`)."""
+def speculators_eagle3_config(head: Eagle3Head, target, layer_keys: dict, version: str) -> dict:
+    """The config.json of speculators' Eagle3Speculator layout (its tensors are the eagle3
+    layout's, export.py `eagle3_tensors`); `layer_keys` is the draft layer's Llama config
+    (export.py `_llama_keys`)."""
     hf = target.model.config
     layer = {k: v for k, v in layer_keys.items() if k != "torch_dtype"}
     config = {
@@ -68,7 +70,7 @@ def export_speculators_eagle3(head: Eagle3Head, target, layer_keys: dict, versio
         },
         "torch_dtype": layer_keys["torch_dtype"],
     }
-    return config, dict(head.state_dict())
+    return config
 
 
 def is_speculators_eagle3(doc: dict) -> bool:

@@ -17,7 +17,7 @@ from heads.eagle import EagleHead
 from heads.eagle3 import Eagle3Head
 from heads.folder import check_target
 from heads.interop.dflash import SPECULATORS_VERSION, export_speculators, export_zlab, mask_note
-from heads.interop.eagle3 import export_speculators_eagle3
+from heads.interop.eagle3 import speculators_eagle3_config
 from heads.interop.formats import ENGINE_VERSIONS, FORMATS, MEDUSA_FD_WEIGHTS, WEIGHTS_NAME
 from heads.medusa import MedusaHeads
 
@@ -31,9 +31,15 @@ def formats_for(head) -> tuple[str, ...]:
     return tuple(type(head).export_formats)
 
 
-def export_draft(head, target, fmt: str, out_dir) -> dict:
+def export_draft(head, target, fmt: str, out_dir, verifier: str | None = None) -> dict:
     """Write `head` (trained on `target`) as `fmt` into `out_dir` (replaced atomically);
-    returns the config.json written."""
+    returns the config.json written.
+
+    verifier: speculators only, what its config names as the verifier
+    (`speculators_config.verifier.name_or_path`, which `vllm serve DIR` loads as the target):
+    the local folder the target was loaded from, so the export serves offline (the Hub id a
+    shipped or GGUF target records needs the network); None: the target's recorded name (a Hub
+    id, for an export pushed to the Hub)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}.")
     fits = formats_for(head)
@@ -45,6 +51,8 @@ def export_draft(head, target, fmt: str, out_dir) -> dict:
         head.save_pretrained(out_dir)
         return json.loads((Path(out_dir) / CONFIG_NAME).read_text())
     config, tensors, filename, extra = _EXPORTERS[fmt](head, target)
+    if fmt == "speculators" and verifier is not None:
+        config["speculators_config"]["verifier"]["name_or_path"] = str(verifier)
     config["draftsmith"] = {
         "format": fmt,
         "targets": ENGINE_VERSIONS[fmt],
@@ -180,7 +188,19 @@ def _export_eagle3(head: Eagle3Head, target):
         # vLLM reads HF hidden_states indices; SGLang captures layer id + 1, hence the - 1.
         config["eagle_aux_hidden_state_layer_ids"] = aux
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux]}
-    return config, dict(head.state_dict()), WEIGHTS_NAME, {}
+    return config, eagle3_tensors(head), WEIGHTS_NAME, {}
+
+
+def eagle3_tensors(head: Eagle3Head) -> dict[str, Tensor]:
+    """The head's tensors as the engines' eagle3 layouts hold them. A draft over the whole target
+    vocabulary writes no d2t / t2d: its mapping is the identity, and vLLM builds no
+    draft_id_to_target_id for it, so it refuses a checkpoint that has one (the importers and
+    llama.cpp's converter take a missing d2t as the identity)."""
+    tensors = dict(head.state_dict())
+    if head.draft_vocab_size >= head.target_info.vocab_size:
+        tensors.pop("d2t", None)
+        tensors.pop("t2d", None)
+    return tensors
 
 
 def _export_eagle(head: EagleHead, target):
@@ -271,8 +291,8 @@ def _export_speculators(head: DFlashHead | Eagle3Head, target):
     if isinstance(head, Eagle3Head):
         _check_three_aux_layers(head)
         keys = _llama_keys(head, target)
-        config, tensors = export_speculators_eagle3(head, target, keys, SPECULATORS_VERSION)
-        return config, tensors, WEIGHTS_NAME, {}
+        config = speculators_eagle3_config(head, target, keys, SPECULATORS_VERSION)
+        return config, eagle3_tensors(head), WEIGHTS_NAME, {}
     config, tensors, extra = export_speculators(head, target)
     return config, tensors, WEIGHTS_NAME, extra
 
