@@ -8,9 +8,10 @@ draft layer's HF config under `transformer_layer_config` and beside it `draft_vo
 convention) and `speculators_config` (algorithm, greedy proposal, verifier). The tensors are the
 engines' eagle3 layout's: unprefixed `fc`, `fc_norm.{i}`, `layers.0.*`, `norm`, `lm_head`, `d2t`,
 `t2d` (no maps for a full-vocabulary draft). The verifier is what `vllm serve DIR` loads as the
-target: the exporter may name the local folder the target came from. speculators also saves `embed_tokens` (the verifier's, frozen); we leave it out, as its
-loader allows, and drop it on import after checking it is the target's. vLLM's speculators reader
-takes a missing `norm_before_residual` as true, so the export always writes it.
+target: the exporter may name the local folder the target came from. speculators also saves
+`embed_tokens` (the verifier's, frozen); we leave it out, as its loader allows, and drop it on
+import after checking it is the target's. vLLM's speculators reader takes a missing
+`norm_before_residual` as true, so the export always writes it.
 """
 
 from __future__ import annotations
