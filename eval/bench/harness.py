@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from data.engines.vllm import vllm_python
 from data.errors import ConfigError
 from data.paths import resolve_path
 from eval.bench.llama_cpp import LLAMA_CPP_METHODS, build_llama_cpp_methods, llama_cpp_settings
@@ -48,13 +49,15 @@ from eval.bench.ties import (  # the near-tie helpers, also imported from here b
     rounding_step,  # noqa: F401
     top2_gaps,
 )
+from eval.bench.vllm import VLLM_METHODS, build_vllm_methods, vllm_settings
 from eval.engine.tree_spec import resolve_tree
 from heads.interop.openvino import require_openvino
 
 log = logging.getLogger(__name__)
 
 REFERENCE = "hf_generate"  # the greedy reference every output is compared with
-ENGINE_METHODS = (*LLAMA_CPP_METHODS, *OPENVINO_METHODS)  # served by another engine
+# served by another engine
+ENGINE_METHODS = (*LLAMA_CPP_METHODS, *OPENVINO_METHODS, *VLLM_METHODS)
 ALL_METHODS = (*METHODS, *ENGINE_METHODS)  # every name evaluate.py's `methods` takes
 
 
@@ -375,14 +378,17 @@ def check_methods(names: list[str], has_head: bool) -> list[str]:
         )
     if set(names) & set(OPENVINO_METHODS):  # the extra, before anything loads
         require_openvino(genai=True)
+    if set(names) & set(VLLM_METHODS):  # its tool environment, before anything loads
+        vllm_python()  # EngineError naming scripts/setup_vllm.sh
     if set(names) <= {HEAD} and not has_head:
         raise ConfigError(f"methods={names}: nothing to run without head_path; give head_path=DIR.")
     return names
 
 
 def _engine_methods(cfg, names, head, run_target, tree, meta: dict) -> list:
-    """The methods of `names` another engine serves: llama.cpp (eval/bench/llama_cpp.py) and
-    OpenVINO GenAI (eval/bench/openvino.py), their settings resolved into `meta`."""
+    """The methods of `names` another engine serves: llama.cpp (eval/bench/llama_cpp.py),
+    OpenVINO GenAI (eval/bench/openvino.py) and vLLM (eval/bench/vllm.py), their settings
+    resolved into `meta`."""
     out_dir = Path(cfg.get("out_dir") or _hydra_output_dir())
     methods: list = []
     if llama := [n for n in names if n in LLAMA_CPP_METHODS]:
@@ -393,6 +399,10 @@ def _engine_methods(cfg, names, head, run_target, tree, meta: dict) -> list:
         settings = openvino_settings(cfg, head, run_target.target, out_dir)
         methods += build_openvino_methods(ov, settings, tree, eos_token_ids(run_target.target))
         meta["openvino"] = asdict(settings)
+    if served := [n for n in names if n in VLLM_METHODS]:
+        settings = vllm_settings(cfg, head, run_target, out_dir)
+        methods += build_vllm_methods(served, settings, eos_token_ids(run_target.target))
+        meta["vllm"] = asdict(settings)
     return methods
 
 

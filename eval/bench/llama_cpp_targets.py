@@ -25,12 +25,22 @@ from pathlib import Path
 from eval.engine.method_names import split_name
 
 PLAIN = "llama_cpp_plain"
-ENGINE_PLAINS = {"llama_cpp": PLAIN, "openvino": "openvino_plain"}  # engine: its plain method
-ENGINE_TITLES = {"llama_cpp": ("llama.cpp", "GGUF type"), "openvino": ("OpenVINO", "IR weights")}
+# engine: its plain method
+ENGINE_PLAINS = {"llama_cpp": PLAIN, "openvino": "openvino_plain", "vllm": "vllm_plain"}
+ENGINE_TITLES = {
+    "llama_cpp": ("llama.cpp", "GGUF type"),
+    "openvino": ("OpenVINO", "IR weights"),
+    "vllm": ("vLLM", "dtype"),
+}
 DEFINITION = (
     "llama.cpp and OpenVINO methods: tokens_per_s of the method / tokens_per_s of the fastest "
     "plain type of the same engine measured in the same run on the same requests "
     "(meta.fastest_plain_by_engine names it); with one target type it is that type's plain method."
+)
+MACHINE_DEFINITION = (
+    "in a run with an engine's plain method: tokens_per_s of the method / tokens_per_s of the "
+    "fastest plain decoding of the run on any engine (plain, hf_generate, llama_cpp_plain*, "
+    "openvino_plain*, vllm_plain; meta.fastest_plain_machine names it), same requests."
 )
 
 
@@ -75,6 +85,8 @@ def _types(meta: dict, engine: str) -> dict:
     settings = meta.get(engine) or {}
     if engine == "llama_cpp":
         return settings.get("resolved_types") or {}
+    if engine == "vllm":  # one target, in the run's dtype
+        return {"": str(settings["dtype"])} if settings.get("dtype") else {}
     weights = settings.get("weights")  # openvino: the labels are the weight types themselves
     if isinstance(weights, (list, tuple)):
         return {str(w): str(w) for w in weights}
@@ -113,6 +125,55 @@ def add_fastest_plain(summary: dict) -> None:
                 metrics["speedup_vs_fastest_plain"] = (
                     metrics["tokens_per_s"] / base["tokens_per_s"] if ok else None
                 )
+
+
+def add_machine_fastest_plain(summary: dict) -> None:
+    """In a run with an engine's plain method, add `speedup_vs_machine_fastest_plain` to every
+    method (overall): against the fastest plain decoding of the run on any engine (`plain`,
+    `hf_generate` or an engine's plain method), named in `meta.fastest_plain_machine`. The
+    number a user of this machine cares about: a draft that beats its own engine's plain
+    decoding can still be slower than another engine's."""
+    methods = summary["methods"]
+    plains = {"plain", "hf_generate", *ENGINE_PLAINS.values()}
+    rates = {
+        name: entry["overall"].get("tokens_per_s")
+        for name, entry in methods.items()
+        if split_name(name)[0] in plains
+    }
+    rates = {n: r for n, r in rates.items() if r}
+    if not rates or not any(split_name(n)[0] in ENGINE_PLAINS.values() for n in rates):
+        return
+    best = max(rates, key=rates.get)
+    summary["meta"]["fastest_plain_machine"] = {"method": best, "tokens_per_s": rates[best]}
+    summary["definitions"]["speedup_vs_machine_fastest_plain"] = MACHINE_DEFINITION
+    for entry in methods.values():
+        rate = entry["overall"].get("tokens_per_s")
+        entry["overall"]["speedup_vs_machine_fastest_plain"] = rate / rates[best] if rate else None
+
+
+def machine_fastest_plain_lines(summary: dict) -> list[str]:
+    """report.md: every method against the run's fastest plain decoding on any engine."""
+    found = summary["meta"].get("fastest_plain_machine")
+    if not found:
+        return []
+    lines = [
+        "",
+        "## Against the fastest plain decoding of this machine",
+        "",
+        f"Fastest plain decoding in this run, any engine: `{found['method']}` "
+        f"({found['tokens_per_s']:.1f} tokens/s).",
+        "",
+        "| method | tokens/s | speedup vs the machine's fastest plain |",
+        "|---|---|---|",
+    ]
+    for name, entry in summary["methods"].items():
+        m = entry["overall"]
+        rate, ratio = m.get("tokens_per_s"), m.get("speedup_vs_machine_fastest_plain")
+        lines.append(
+            f"| {name} | {'-' if rate is None else f'{rate:.1f}'} | "
+            f"{'-' if ratio is None else f'{ratio:.2f}'} |"
+        )
+    return lines
 
 
 def fastest_plain_lines(summary: dict) -> list[str]:

@@ -10,7 +10,12 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from eval.bench.llama_cpp_targets import add_fastest_plain, fastest_plain_lines
+from eval.bench.llama_cpp_targets import (
+    add_fastest_plain,
+    add_machine_fastest_plain,
+    fastest_plain_lines,
+    machine_fastest_plain_lines,
+)
 
 DEFINITIONS = {
     "tau": "acceptance length: tokens emitted by the decode forwards divided by the number of "
@@ -24,10 +29,11 @@ DEFINITIONS = {
     "generation (prefill included), pooled over requests.",
     "speedup_vs_plain": "tokens_per_s of the method / tokens_per_s of `plain` (one token per "
     "forward, same cache code) over the same requests in the same run; for llama.cpp methods, "
-    "of `llama_cpp_plain` (the same server without a draft); for OpenVINO, of `openvino_plain`.",
-    "baseline_mismatches": "engine methods (llama.cpp, OpenVINO): requests whose tokens differ "
-    "from the same engine's plain decoding (`llama_cpp_plain`, `openvino_plain`); a lossless "
-    "draft has 0, whatever the engine's kernels do against HF.",
+    "of `llama_cpp_plain` (the same server without a draft); for OpenVINO, of `openvino_plain`; "
+    "for vLLM, of `vllm_plain`.",
+    "baseline_mismatches": "engine methods (llama.cpp, OpenVINO, vLLM): requests whose tokens "
+    "differ from the same engine's plain decoding (`llama_cpp_plain`, `openvino_plain`, "
+    "`vllm_plain`); a lossless draft has 0, whatever the engine's kernels do against HF.",
     "speedup_vs_hf_generate": "tokens_per_s of the method / tokens_per_s of HF `generate` "
     "(greedy) over the same requests in the same run.",
     "accept_rate_by_depth": "entry d-1: fraction of decode steps that accepted at least d draft "
@@ -140,6 +146,7 @@ def summarize(
             methods[name]["baseline"] = base
     summary = {"meta": meta, "definitions": dict(DEFINITIONS), "methods": methods}
     add_fastest_plain(summary)  # llama.cpp methods: also against the fastest plain type
+    add_machine_fastest_plain(summary)  # and every method against the fastest on any engine
     return summary
 
 
@@ -225,6 +232,7 @@ def render_markdown(summary: dict, plots: Sequence[str]) -> str:
     overall = [_row_cells(name, e["overall"], 0) for name, e in methods.items()]
     lines += _table(["method", *HEADER[1:]], overall)
     lines += fastest_plain_lines(summary)
+    lines += machine_fastest_plain_lines(summary)
     for name, entry in methods.items():
         depth = entry["max_draft_depth"]
         header = ["category", *HEADER[1:], *(f"accept >= {d}" for d in range(1, depth + 1))]
