@@ -177,7 +177,7 @@ def _write_shards(examples, target, cache_dir, metas, todo, batch_tokens, progre
                 meta["layers"],
                 batch_tokens=batch_tokens,
                 dtype=compute_dtype,
-                progress=False,
+                progress=bar if bar is not None else False,  # advanced batch by batch
                 autocast=meta.get("autocast"),
             )
         except FeatureRangeError as err:
@@ -186,8 +186,6 @@ def _write_shards(examples, target, cache_dir, metas, todo, batch_tokens, progre
         path = os.path.join(cache_dir, shard_file(s))
         metadata = {META_KEY: json.dumps(meta)}
         atomic_write(path, lambda tmp, t=tensors, m=metadata: save_file(t, tmp, metadata=m))
-        if bar is not None:
-            bar.update(meta["num_examples"])
     if bar is not None:
         bar.close()
 

@@ -99,18 +99,19 @@ def compute_features(
     layers: Sequence[int] | None = None,
     batch_tokens: int = 4096,
     dtype: torch.dtype = torch.float16,
-    progress: bool = True,
+    progress: bool | Any = True,
     autocast: str | None = None,
 ) -> list[Example]:
     """Return copies of ``examples`` with ``"hidden"`` (and ``"aux"`` if ``layers``) added, on
     the CPU in ``dtype``. Runs the target on length-sorted, right-padded batches (under
-    ``torch.autocast`` in the ``autocast`` dtype when it is set)."""
+    ``torch.autocast`` in the ``autocast`` dtype when it is set). ``progress``: True for a bar
+    of its own, or a caller's bar (anything with ``update(n)``) to advance batch by batch."""
     layers = list(layers) if layers else None
     device = _target_device(target)
     batches = length_batches([len(e["input_ids"]) for e in examples], batch_tokens)
     results: list[Example | None] = [None] * len(examples)
-    bar = None
-    if progress:
+    bar, own_bar = (progress, False) if hasattr(progress, "update") else (None, bool(progress))
+    if own_bar:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(examples), desc="target features", unit="ex")
@@ -134,7 +135,7 @@ def compute_features(
             tokens += length
         if bar is not None:
             bar.update(len(indices))
-    if bar is not None:
+    if own_bar:
         bar.close()
     seconds = time.perf_counter() - start
     log.info(
