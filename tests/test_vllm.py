@@ -335,3 +335,20 @@ def test_eagle3_1_draft_is_accepted_in_vllm_as_in_the_harness(tiny, tmp_path, la
     # the server-wide Prometheus counters say the same as the per-request ones
     assert counters == [sum(sum(a > d for a in s) for s in v_steps) for d in range(CHAIN)]
     assert pos == counters
+
+
+def test_the_results_table_names_vllms_baseline_and_fastest_plain():
+    from eval.publish.results_table import _fastest, _speedup, _target
+
+    meta = {
+        "target_dtype": "float32",
+        "vllm": {"dtype": "bfloat16"},
+        "fastest_plain": {"method": "llama_cpp_plain", "type": "q4_0", "tokens_per_s": 90.0},
+        "fastest_plain_by_engine": {
+            "vllm": {"method": "vllm_plain", "type": "bfloat16", "tokens_per_s": 20.0}
+        },
+    }
+    entry = {"baseline": "vllm_plain", "overall": {"speedup_vs_plain": 1.1}}
+    assert _fastest(meta, "vllm_draft")["method"] == "vllm_plain"  # not llama.cpp's
+    assert _speedup(meta, "vllm_draft", entry) == "1.10x vs vLLM plain"
+    assert _target(meta, "vllm_draft") == "bf16" and _target(meta, "head") == "fp32"

@@ -37,9 +37,10 @@ BASELINE_NAMES = {
     "hf_generate": "HF generate",
     "llama_cpp_plain": "llama.cpp plain",
     "openvino_plain": "OpenVINO plain",
+    "vllm_plain": "vLLM plain",
 }
 OVERRIDES = ("method", "tree", "target", "benchmark")
-ENGINE_NAMES = {"llama_cpp": "llama.cpp", "openvino": "OpenVINO"}
+ENGINE_NAMES = {"llama_cpp": "llama.cpp", "openvino": "OpenVINO", "vllm": "vLLM"}
 
 
 @dataclass(frozen=True)
@@ -193,13 +194,14 @@ def _target(meta: dict, key: str) -> str | None:
     if key.startswith("openvino_"):
         weights = split_name(key)[1] or meta.get("openvino", {}).get("weights")
         return f"{str(weights).upper()} IR" if weights else "OpenVINO IR"
-    dtype = meta.get("target_dtype")
+    dtype = (meta.get("vllm") or {}).get("dtype") if key.startswith("vllm_") else None
+    dtype = dtype or meta.get("target_dtype")
     return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
 
 
 def _fastest(meta: dict, key: str) -> dict | None:
     """The fastest plain method of `key`'s engine in its run (older summaries: llama.cpp's)."""
-    engine = "openvino" if key.startswith("openvino_") else "llama_cpp"
+    engine = next((e for e in ENGINE_NAMES if key.startswith(f"{e}_")), "llama_cpp")
     found = (meta.get("fastest_plain_by_engine") or {}).get(engine)
     return found or (meta.get("fastest_plain") if engine == "llama_cpp" else None)
 
