@@ -28,6 +28,7 @@ from eval.bench.harness import ALL_METHODS, check_methods, run
 from eval.bench.llama_cpp import LLAMA_CPP_METHODS, check_draft_head
 from eval.bench.methods import METHODS, build_methods
 from eval.bench.openvino import OPENVINO_METHODS
+from eval.bench.vllm import VLLM_METHODS
 from eval.engine.tree_spec import resolve_tree
 from heads.target import load_target
 from train.cli import EXIT_USER_ERROR
@@ -129,8 +130,9 @@ def test_a_mismatch_on_the_command_line_is_one_line_with_the_fix(
 
 
 def test_the_method_list_is_every_method_there_is():
-    assert ALL_METHODS == (*METHODS, *LLAMA_CPP_METHODS, *OPENVINO_METHODS)
+    assert ALL_METHODS == (*METHODS, *LLAMA_CPP_METHODS, *OPENVINO_METHODS, *VLLM_METHODS)
     assert {"llama_cpp_plain", "llama_cpp_draft", "llama_cpp_ngram", "head"} <= set(ALL_METHODS)
+    assert {"vllm_plain", "vllm_draft"} <= set(ALL_METHODS)
     with pytest.raises(ConfigError) as err:
         check_methods(["plain", "nope"], has_head=True)
     assert all(name in str(err.value) for name in ALL_METHODS) and "'nope'" in str(err.value)
