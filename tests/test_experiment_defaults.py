@@ -48,7 +48,9 @@ def named_tree(experiment: str) -> str:
 
 
 def compose_eval(experiment: str, *extra: str):
-    model = ["model=tiny_random_llama"] if "_llama" in experiment else []  # same family, tiny
+    # the same family, tiny (the Qwen2.5-Coder target is assembled only on request)
+    tiny = {"_llama": "tiny_random_llama", "_qwen_coder": "tiny_random_qwen2"}
+    model = [f"model={m}" for key, m in tiny.items() if key in experiment]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose("evaluate", overrides=[f"+experiment={experiment}", *model, *extra])
 
