@@ -284,7 +284,13 @@ def target_name(cfg: TargetConfig) -> str:
 def load_tokenizer(name_or_path: str, cfg: TargetConfig):
     from transformers import AutoTokenizer
 
-    source, extra = resolve_source(TargetConfig(name_or_path=name_or_path, cache_dir=cfg.cache_dir))
+    if name_or_path in SHIPPED:
+        shipped = TargetConfig(name_or_path=name_or_path, cache_dir=cfg.cache_dir)
+        source, extra = resolve_source(shipped)
+    elif name_or_path.endswith(".gguf"):  # a tokenizer may live in a folder of its own, too
+        source, extra = str(Path(name_or_path).parent), {"gguf_file": Path(name_or_path).name}
+    else:
+        source, extra = name_or_path, {}
     return AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code, **extra)
 
 

@@ -129,10 +129,12 @@ def test_a_target_gguf_setting_names_the_own_file_a_conversion_or_a_path(tmp_pat
     embedded = TargetConfig(name_or_path="smollm2_135m", cache_dir=str(tmp_path))
     assert gguf_for_target(embedded, TargetGGUF.parse("/m/t.gguf")) == Path("/m/t.gguf")
     assert gguf_for_target(embedded) == embedded_gguf("smollm2_135m")
+    (tmp_path / "own.gguf").write_bytes(b"GGUF")
     folder = TargetConfig(name_or_path=str(tmp_path), gguf_file="own.gguf")
     assert gguf_for_target(folder, TargetGGUF.parse("auto")) == tmp_path / "own.gguf"
+    hub = TargetConfig(name_or_path="someone/some-model")  # not here: nothing to convert
     with pytest.raises(FileNotFoundError, match="needs the target as GGUF"):
-        gguf_for_target(folder, TargetGGUF.parse("f32"))  # no config.json to convert
+        gguf_for_target(hub, TargetGGUF.parse("f32"))
     # the quantised types: the f32 conversion through llama-quantize (gguf_types), parsed once
     import heads.interop.gguf as types_mod
 
