@@ -201,11 +201,13 @@ def _template_of_the_heads_run(cfg) -> None:
     """evaluate.py head_path=RUN/head without model.chat_template: RUN's own template, if set."""
     from omegaconf import OmegaConf, open_dict
 
+    from train.rundir import CONFIG_FILE
+
     head = cfg.get("head_path")
     model = cfg.get("model") or {}
     if not head or model.get("chat_template") or (cfg.get("data") or {}).get("chat_template"):
         return
-    run_config = Path(str(head)).expanduser().parent / "config.yaml"
+    run_config = Path(str(head)).expanduser().parent / CONFIG_FILE
     if not run_config.is_file():
         return
     template = (OmegaConf.load(run_config).get("model") or {}).get("chat_template")
