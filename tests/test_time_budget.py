@@ -89,7 +89,7 @@ def test_steps_that_fit_is_the_longest_run_that_fits():
 def test_the_plan_fills_the_budget_and_the_schedule_ends_there(target, tmp_path, caplog):
     clock = Clock()
     run = trainer(target, tmp_path, clock)
-    with caplog.at_level("WARNING", logger="train.loop"):
+    with caplog.at_level("WARNING", logger="train.budget"):
         result = run.fit()
     assert "40 of 100 steps fit (1.00 s a step, 5.0 s a validation" in caplog.text
     # 60 s: steps 1-10 (10 s) and the first validation (5 s) leave 45 s: 30 more steps
@@ -109,7 +109,7 @@ def test_without_a_budget_or_with_room_the_recipe_length_stands(target, tmp_path
 def test_steps_that_slow_down_shorten_the_plan_at_the_next_validation(target, tmp_path, caplog):
     clock = Clock(step_s=lambda n: 1.0 if n <= 10 else 3.0)
     run = trainer(target, tmp_path, clock)
-    with caplog.at_level("INFO", logger="train.loop"):
+    with caplog.at_level("INFO", logger="train.budget"):
         result = run.fit()
     # planned 40 on the fast steps; at step 20 (t = 50 s) the 3 s steps leave room for one more
     # step and the final validation: 21, and the schedule still ends at its minimum
@@ -124,7 +124,7 @@ def test_steps_that_slow_down_shorten_the_plan_at_the_next_validation(target, tm
 def test_steps_that_speed_up_lengthen_the_plan_at_the_next_validation(target, tmp_path, caplog):
     clock = Clock(step_s=lambda n: 2.0 if n <= 10 else 1.0)
     run = trainer(target, tmp_path, clock)
-    with caplog.at_level("INFO", logger="train.loop"):
+    with caplog.at_level("INFO", logger="train.budget"):
         result = run.fit()
     # step 10 at 25 s (validation included): 2 s steps fit 22 in the 35 s left; at step 20
     # (40 s) the 1 s steps since then fit 30: its validation at 55 s ends the run

@@ -27,15 +27,23 @@ over a cosine schedule that still ends at its minimum:
 
 Without periodic validation (eval_every=0), the final validation's cost is not known when the
 plan is made: it is taken as one step's.
+
+The loop meets the budget as a callback (`BudgetKeeper`, or `NoBudget` when
+`trainer.time_budget_min` is 0) at named points: `on_resume`, `on_step_end`, `on_validation`,
+`on_checkpoint` and `decide`; `decide` returns what the loop should do next (`BudgetDecision`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
+
+log = logging.getLogger(__name__)
 
 
 def process_started(clock: Callable[[], float] = time.monotonic) -> float:
@@ -167,3 +175,120 @@ class TimeBudget:
         costs = self.costs()
         costs = StepCosts(max(costs.step_s, self.last_step_s), costs.eval_s, costs.save_s)
         return finish_cost(step, step + 1, costs, eval_every, save_every) > self.remaining()
+
+
+@dataclass(frozen=True)
+class BudgetDecision:
+    """Run `end` steps in all. `replan`: a new plan, so the schedule is re-spread to end there
+    and the plan is recorded; otherwise the run just stops at `end` (the guard)."""
+
+    end: int
+    replan: bool
+
+
+class NoBudget:
+    """The callback of a run without a time budget: it times nothing and never decides."""
+
+    def on_resume(self, planned: int, total: int) -> BudgetDecision | None:
+        return None
+
+    def on_step_end(self, seconds: float) -> None:
+        pass
+
+    def on_validation(self, seconds: float) -> None:
+        pass
+
+    def on_checkpoint(self, seconds: float) -> None:
+        pass
+
+    def decide(
+        self, step: int, end: int, planned: int, evaluated_now: bool
+    ) -> BudgetDecision | None:
+        return None
+
+
+class BudgetKeeper:
+    """A `TimeBudget` as the loop's callback: it is told what each step, validation and
+    checkpoint cost, and after each step `decide`s whether the run plans, stops or goes on
+    (see the module docs). `recipe_steps` is the run length the recipe asks for; `share(value)`
+    returns the main process's value on every process (the main process decides)."""
+
+    def __init__(
+        self,
+        budget: TimeBudget,
+        recipe_steps: int,
+        eval_every: int,
+        save_every: int,
+        share: Callable[[Any], Any] = lambda value: value,
+    ) -> None:
+        self.budget, self.recipe_steps, self.share = budget, recipe_steps, share
+        self.eval_every, self.save_every = eval_every, save_every
+        self.replans = True
+
+    def on_resume(self, planned: int, total: int) -> BudgetDecision | None:
+        """A resumed run keeps the plan it recorded (so the schedule holds), unless max_steps
+        was lowered since; this process's clock started late, so it never plans again."""
+        if not planned:
+            return None
+        self.replans = False
+        return BudgetDecision(min(planned, total), replan=True)
+
+    def on_step_end(self, seconds: float) -> None:
+        self.budget.add_step(seconds)
+
+    def on_validation(self, seconds: float) -> None:
+        self.budget.eval_s = seconds
+
+    def on_checkpoint(self, seconds: float) -> None:
+        self.budget.save_s = seconds
+
+    def decide(
+        self, step: int, end: int, planned: int, evaluated_now: bool
+    ) -> BudgetDecision | None:
+        """After step `step` of a run now ending at `end` (`planned`: the recorded plan, 0 when
+        none): plan at the first validation and again at each later one; after a plan, stop when
+        the next step would overrun. Before the first plan nothing stops the run."""
+        budget = self.budget
+        if not planned and budget.ready_to_plan(evaluated_now, self.eval_every, self.recipe_steps):
+            return self._plan(step, end, planned)
+        if planned and evaluated_now and self.replans and step < end:
+            return self._plan(step, end, planned)
+        if planned and step < end:
+            if self.share(budget.must_stop(step, self.eval_every, self.save_every)):
+                log.warning(
+                    "time budget %.1f min: stopping at step %d of %d (%.0f s left)",
+                    budget.minutes, step, end, budget.remaining(),
+                )  # fmt: skip
+                return BudgetDecision(step, replan=False)
+        return None
+
+    def _plan(self, step: int, end: int, planned: int) -> BudgetDecision | None:
+        budget, costs = self.budget, self.budget.costs()
+        fits = budget.plan(step, self.recipe_steps, self.eval_every, self.save_every)
+        fits = max(self.share(fits), step)
+        if fits == end and planned:
+            return None
+        log.log(
+            logging.WARNING if fits < self.recipe_steps else logging.INFO,
+            "time budget %.1f min: %d of %d steps fit (%s; %.0f s left at step %d)%s",
+            budget.minutes, fits, self.recipe_steps, costs.describe(), budget.remaining(), step,
+            f", was {end}" if planned else "",
+        )  # fmt: skip
+        return BudgetDecision(fits, replan=True)
+
+
+def budget_callback(
+    minutes: float,
+    started: float,
+    clock: Callable[[], float],
+    *,
+    recipe_steps: int,
+    eval_every: int,
+    save_every: int,
+    share: Callable[[Any], Any],
+) -> BudgetKeeper | NoBudget:
+    """The loop's budget callback: a BudgetKeeper for `minutes` > 0, else a NoBudget."""
+    if minutes <= 0:
+        return NoBudget()
+    budget = TimeBudget(minutes, started, clock)
+    return BudgetKeeper(budget, recipe_steps, eval_every, save_every, share)

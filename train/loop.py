@@ -22,7 +22,6 @@ resumes checkpoints, train/validation.py validates and sums the logged statistic
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import time
@@ -41,7 +40,7 @@ from tqdm.auto import tqdm
 from data.dataset import packed_collate
 from data.errors import NonFiniteError
 from train.accelerator import make_accelerator, place_target
-from train.budget import TimeBudget
+from train.budget import BudgetDecision, budget_callback
 from train.checkpoint import TrainState, gathered_weights
 from train.checkpointing import RunCheckpoints, checkpoint_record
 from train.config import TrainerConfig
@@ -52,8 +51,6 @@ from train.sampling import count_steps, epoch_batches, make_loader, sigchld_kept
 from train.selection import BestKeeper, Evaluator, run_evaluators
 from train.tracking import Tracker
 from train.validation import TrainWindow, add_stats, evaluate_head
-
-log = logging.getLogger(__name__)
 
 Callback = Callable[[TrainState], bool | None]  # return True to stop after this step
 _DIVERGED_FIX = (
@@ -132,11 +129,6 @@ class Trainer:
     ) -> None:
         self.cfg, self.run_dir, self.callbacks = cfg, Path(run_dir), list(callbacks)
         self.clock = clock
-        self.budget = (
-            TimeBudget(cfg.time_budget_min, clock() if started is None else started, clock)
-            if cfg.time_budget_min > 0
-            else None
-        )
         self.evaluators = list(evaluators)
         self.run_config = run_config
         self.acc = acc = make_accelerator(cfg)
@@ -156,7 +148,11 @@ class Trainer:
         self.batches_per_epoch, self.total_steps = count_steps(
             cfg, len(train_dataset), acc.num_processes
         )
-        self.recipe_steps, self.replans = self.total_steps, True  # a budget plans within these
+        self.budget = budget_callback(
+            cfg.time_budget_min, clock() if started is None else started, clock,
+            recipe_steps=self.total_steps, eval_every=cfg.eval_every, save_every=cfg.save_every,
+            share=lambda value: broadcast_object_list([value])[0],
+        )  # fmt: skip
         optimizer = build_optimizer(head, cfg, acc.distributed_type == DistributedType.FSDP)
         self.warmup = cfg.warmup_for(self.total_steps)
         self.scheduler = build_scheduler(optimizer, self.warmup, self.total_steps, cfg.min_lr_ratio)
@@ -202,21 +198,21 @@ class Trainer:
             bar.update(1)
             if cfg.log_every and state.step % cfg.log_every == 0:
                 window = self._log_train(window, bar)
-            if self.budget is not None:
-                self.budget.add_step(self.clock() - began)
+            self.budget.on_step_end(self.clock() - began)
             if cfg.eval_every and state.step % cfg.eval_every == 0:
                 began = self.clock()
                 val, evaluated_at = self.evaluate(log=True), state.step
-                if self.budget is not None:
-                    self.budget.eval_s = self.clock() - began
+                self.budget.on_validation(self.clock() - began)
             stopped = self._should_stop()
-            if self.budget is not None and not stopped:
-                self._keep_to_budget(evaluated_at == state.step, bar)
+            if not stopped:
+                decision = self.budget.decide(
+                    state.step, self.total_steps, state.planned_steps, evaluated_at == state.step
+                )
+                self._follow(decision, bar)
             if (cfg.save_every and state.step % cfg.save_every == 0) or stopped:
                 began = self.clock()
                 checkpoint = self.save_checkpoint()
-                if self.budget is not None:
-                    self.budget.save_s = self.clock() - began
+                self.budget.on_checkpoint(self.clock() - began)
         stream.close()  # its last loader's workers, if any, end here
         if window.micro_batches:
             self._log_train(window, bar)
@@ -335,52 +331,17 @@ class Trainer:
                 yield self._to_device(batch)
             state.epoch, state.batch_in_epoch = state.epoch + 1, 0
 
-    def _keep_to_budget(self, evaluated_now: bool, bar: tqdm) -> None:
-        """Plan the run's length (train/budget.py) at its first validation and again at each
-        later one (on the steps since the last plan; not in a resumed process, whose clock cannot
-        tell what the first one spent), then end it early when the next step would overrun the
-        budget; before the first plan nothing stops the run, so a head always trains to its first
-        validation. The main process decides; every process follows."""
-        budget, cfg, step = self.budget, self.cfg, self.state.step
-        assert budget is not None
-        end, planned = self.total_steps, self.state.planned_steps
-        if (
-            not planned and budget.ready_to_plan(evaluated_now, cfg.eval_every, self.recipe_steps)
-        ) or (planned and evaluated_now and self.replans and step < end):
-            costs = budget.costs()
-            fits = budget.plan(step, self.recipe_steps, cfg.eval_every, cfg.save_every)
-            fits = max(broadcast_object_list([fits])[0], step)
-            if fits != end or not planned:
-                self._apply_plan(fits, bar)
-                log.log(
-                    logging.WARNING if fits < self.recipe_steps else logging.INFO,
-                    "time budget %.1f min: %d of %d steps fit (%s; %.0f s left at step %d)%s",
-                    budget.minutes,
-                    fits,
-                    self.recipe_steps,
-                    costs.describe(),
-                    budget.remaining(),
-                    step,
-                    f", was {end}" if planned else "",
-                )
-        elif planned and step < end:
-            if broadcast_object_list([budget.must_stop(step, cfg.eval_every, cfg.save_every)])[0]:
-                log.warning(
-                    "time budget %.1f min: stopping at step %d of %d (%.0f s left)",
-                    budget.minutes,
-                    step,
-                    end,
-                    budget.remaining(),
-                )
-                self.total_steps = step
-                bar.total = step
-
-    def _apply_plan(self, planned: int, bar: tqdm | None = None) -> None:
-        """Run `planned` steps in all, over a schedule re-spread to end there."""
-        self.state.planned_steps = self.total_steps = planned
-        replan_scheduler(self.scheduler, self.warmup, planned, self.cfg.min_lr_ratio)
+    def _follow(self, decision: BudgetDecision | None, bar: tqdm | None = None) -> None:
+        """Do what the time budget decided: run to a new plan over a schedule re-spread to end
+        there, or just stop earlier (train/budget.py); None: go on as planned."""
+        if decision is None:
+            return
+        self.total_steps = decision.end
+        if decision.replan:
+            self.state.planned_steps = decision.end
+            replan_scheduler(self.scheduler, self.warmup, decision.end, self.cfg.min_lr_ratio)
         if bar is not None:
-            bar.total = planned
+            bar.total = decision.end
 
     def _should_stop(self) -> bool:
         if not self.callbacks:
@@ -451,10 +412,7 @@ class Trainer:
             return None
         path, self.state = found
         self.tracker.rewind(self.state.step)
-        if self.budget is not None and self.state.planned_steps:
-            # the plan holds (so the schedule does), unless max_steps was lowered since
-            self._apply_plan(min(self.state.planned_steps, self.total_steps))
-            self.replans = False  # this process's clock started late: keep the plan
+        self._follow(self.budget.on_resume(self.state.planned_steps, self.total_steps))
         return path
 
     def save_head(self) -> Path:
