@@ -50,7 +50,7 @@ from train.rundir import check_kept_head, write_run_config
 from train.sampling import count_steps, epoch_batches, make_loader, sigchld_kept
 from train.selection import BestKeeper, Evaluator, run_evaluators
 from train.tracking import Tracker
-from train.validation import TrainWindow, add_stats, evaluate_head
+from train.validation import StepCounts, TrainWindow, add_stats, evaluate_head
 
 Callback = Callable[[TrainState], bool | None]  # return True to stop after this step
 _DIVERGED_FIX = (
@@ -249,10 +249,9 @@ class Trainer:
         """One optimizer update from `grad_accum` micro-batches."""
         acc = self.acc
         self.model.train()
-        # tokens, loss tokens, micro-batches with a non-finite loss, CPU seconds (summed over
-        # processes)
         cpu_started, wall_started = time.process_time(), time.perf_counter()
-        tokens = torch.zeros(4, dtype=torch.float64, device=acc.device)
+        tokens = loss_tokens = torch.zeros((), dtype=torch.float64, device=acc.device)
+        bad_losses = 0
         for _ in range(self.cfg.grad_accum):
             batch = next(stream)
             with acc.accumulate(self.model):
@@ -269,27 +268,28 @@ class Trainer:
                         self.scheduler.step()
                     self.optimizer.zero_grad(set_to_none=True)
             value = loss.detach().float().item()
-            tokens[2] += not math.isfinite(value)
+            bad_losses += not math.isfinite(value)
             window.loss_sum += value
             window.micro_batches += 1
             add_stats(window.stats, stats)
-            tokens[0] += batch["attention_mask"].sum()
-            tokens[1] += batch.get("loss_mask", batch["attention_mask"]).sum()
+            tokens = tokens + batch["attention_mask"].sum()
+            loss_tokens = loss_tokens + batch.get("loss_mask", batch["attention_mask"]).sum()
         if not acc.sync_gradients:
             raise RuntimeError("gradient accumulation fell out of step with the loop (a bug)")
-        tokens[3] = time.process_time() - cpu_started
-        tokens = acc.reduce(tokens, "sum")
-        if tokens[2] > 0:  # every process sees the sum, so all stop together
+        counts = StepCounts.summed(
+            acc, tokens, loss_tokens, bad_losses, time.process_time() - cpu_started
+        )
+        if counts.bad_losses > 0:  # every process sees the sum, so all stop together
             raise NonFiniteError(
-                f"step {self.state.step + 1}: the loss is inf/NaN in {int(tokens[2])} "
+                f"step {self.state.step + 1}: the loss is inf/NaN in {counts.bad_losses} "
                 f"micro-batch(es): {_DIVERGED_FIX}"
             )
-        self.state.tokens += int(tokens[0])
-        self.state.loss_tokens += int(tokens[1])
-        self.state.cpu_s += float(tokens[3])
-        window.tokens += int(tokens[0])
+        self.state.tokens += counts.tokens
+        self.state.loss_tokens += counts.loss_tokens
+        self.state.cpu_s += counts.cpu_s
+        window.tokens += counts.tokens
         self._step_wall = [self._step_wall[0] + time.perf_counter() - wall_started,
-                           self._step_wall[1] + int(tokens[0])]  # fmt: skip
+                           self._step_wall[1] + counts.tokens]  # fmt: skip
 
     def _clip_gradients(self) -> float | None:
         """Clip to `max_grad_norm` (0: no clipping, the norm is still measured)."""

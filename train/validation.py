@@ -1,12 +1,13 @@
 """Validation and the [sum, count] statistics heads report, summed over batches and processes;
-the training loop's log window (`TrainWindow`), which sums the training batches' the same way."""
+the training loop's log window (`TrainWindow`), which sums the training batches' the same way,
+and what one optimizer step counts (`StepCounts`)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from accelerate import Accelerator
@@ -70,6 +71,32 @@ def evaluate_head(
     totals = reduce_stats(acc, sums)
     metrics = {f"val/{k}": s / c for k, (s, c) in totals.items() if c > 0}
     return metrics, totals
+
+
+class StepCounts(NamedTuple):
+    """What one optimizer step counted, summed over processes: tokens (attention mask), loss
+    tokens (loss mask), micro-batches whose loss was inf/NaN, and CPU seconds."""
+
+    tokens: int
+    loss_tokens: int
+    bad_losses: int
+    cpu_s: float
+
+    @classmethod
+    def summed(
+        cls, acc: Accelerator, tokens: Tensor, loss_tokens: Tensor, bad_losses: int, cpu_s: float
+    ) -> StepCounts:
+        """This process's counts summed over every process, in one all-reduce."""
+        packed = torch.stack(
+            [
+                tokens.to(acc.device, torch.float64),
+                loss_tokens.to(acc.device, torch.float64),
+                torch.tensor(float(bad_losses), dtype=torch.float64, device=acc.device),
+                torch.tensor(cpu_s, dtype=torch.float64, device=acc.device),
+            ]
+        )
+        total, loss, bad, cpu = acc.reduce(packed, "sum").tolist()
+        return cls(int(total), int(loss), int(bad), float(cpu))
 
 
 @dataclass
