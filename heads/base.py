@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -347,9 +348,11 @@ def check_finite(tensors: dict[str, Tensor], path: str | os.PathLike) -> None:
 
 
 def save_head(
-    path: str | os.PathLike, method: str, config: Any, target: TargetInfo, tensors: dict
-) -> None:
-    """Write a head folder atomically: config.json (method, config, target) + model.safetensors.
+    path: str | os.PathLike, method: str, config: Any, target: TargetInfo, tensors: dict,
+    also: Callable[[Path], None] | None = None,
+) -> None:  # fmt: skip
+    """Write a head folder atomically: config.json (method, config, target) + model.safetensors,
+    and whatever `also(folder)` writes into the same folder before it is put in place.
 
     Identical weights give byte-identical files (sorted JSON and safetensors metadata), so two
     heads can be compared by hash. Weights holding inf/NaN are refused (NonFiniteError).
@@ -366,8 +369,26 @@ def save_head(
     def write(tmp: Path) -> None:
         (tmp / CONFIG_NAME).write_text(json.dumps(doc, indent=2) + "\n")
         save_safetensors(tensors, tmp / WEIGHTS_NAME, {"format": "pt", "method": method})
+        if also is not None:
+            also(tmp)
 
     atomic_save_dir(path, write)
+
+
+class HeadFolderMixin:
+    """The one `save_pretrained` of every head class: a head folder (`save_head`) holding
+    `folder_tensors()` (the whole state dict unless a head says otherwise) and whatever
+    `write_beside(folder)` adds to the same folder (nothing unless a head says otherwise)."""
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        tensors = self.folder_tensors()
+        save_head(path, self.method, self.config, self.target_info, tensors, self.write_beside)
+
+    def folder_tensors(self) -> dict[str, Tensor]:
+        return dict(self.state_dict())
+
+    def write_beside(self, folder: Path) -> None:
+        pass
 
 
 def save_safetensors(tensors: dict[str, Tensor], path: str | os.PathLike, metadata: dict) -> None:

@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from heads.acceptance import chain_stats, check_horizon
 from heads.base import (
     BlockDrafter,
+    HeadFolderMixin,
     LossOutput,
     TargetInfo,
     batch_positions,
@@ -60,7 +61,6 @@ from heads.base import (
     stat_pair,
     warm_start,
 )
-from heads.base import save_head as _save_head
 from heads.block_layers import BlockCache, BlockLayer
 from heads.block_training import (
     block_attention_mask,
@@ -146,7 +146,7 @@ class DFlashConfig:
         return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, self.block_size / 2)
 
 
-class DFlashHead(nn.Module):
+class DFlashHead(HeadFolderMixin, nn.Module):
     """DFlash: fused target context, a few block-attention layers, norm + (target) lm_head."""
 
     method = "dflash"
@@ -467,9 +467,6 @@ class DFlashHead(nn.Module):
 
     def init_from(self, tensors: dict[str, Tensor], source: str) -> list[str]:
         return warm_start(self, tensors, source)
-
-    def save_pretrained(self, path: str | os.PathLike) -> None:
-        _save_head(path, self.method, self.config, self.target_info, dict(self.state_dict()))
 
     @classmethod
     def from_pretrained(

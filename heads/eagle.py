@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from heads.base import (
     FeatureDrafter,
+    HeadFolderMixin,
     LossOutput,
     TargetInfo,
     batch_positions,
@@ -40,7 +41,6 @@ from heads.base import (
     stat_pair,
     warm_start,
 )
-from heads.base import save_head as _save_head
 from heads.draft_layer import DraftCache, DraftDecoderLayer, LayerSpec
 from heads.folder import load_head_tensors, load_weights, open_head
 from heads.vocab import frequent_ids
@@ -68,7 +68,7 @@ class EagleConfig:
             raise ValueError(f"head.topk={self.topk}: use 1 or more.")
 
 
-class EagleHead(nn.Module):
+class EagleHead(HeadFolderMixin, nn.Module):
     """EAGLE-1: fc + one decoder layer; step(tokens, hidden, ...) -> (next feature, logits)."""
 
     method = "eagle"
@@ -227,9 +227,6 @@ class EagleHead(nn.Module):
 
     def init_from(self, tensors: dict[str, Tensor], source: str) -> list[str]:
         return warm_start(self, tensors, source)
-
-    def save_pretrained(self, path: str | os.PathLike) -> None:
-        _save_head(path, self.method, self.config, self.target_info, dict(self.state_dict()))
 
     @classmethod
     def from_pretrained(

@@ -56,6 +56,7 @@ from torch import Tensor, nn
 from heads.acceptance import chain_stats
 from heads.base import (
     FeatureDrafter,
+    HeadFolderMixin,
     LossOutput,
     TargetInfo,
     batch_positions,
@@ -66,7 +67,6 @@ from heads.base import (
     stat_pair,
     warm_start,
 )
-from heads.base import save_head as _save_head
 from heads.draft_layer import DraftCache, DraftDecoderLayer, LayerSpec, RMSNorm
 from heads.eagle import check_shapes, topk_hits
 from heads.eagle3_config import Eagle3Config
@@ -101,7 +101,7 @@ def ttt_attention_mask(
     return torch.cat([prefix] + [own] * step, dim=-1)
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(HeadFolderMixin, nn.Module):
     """EAGLE-3: fc over aux features, a fused-input decoder layer (and `num_layers - 1` plain
     ones), norm + reduced lm_head."""
 
@@ -417,9 +417,6 @@ class Eagle3Head(nn.Module):
 
     def init_from(self, tensors: dict[str, Tensor], source: str) -> list[str]:
         return warm_start(self, tensors, source)
-
-    def save_pretrained(self, path: str | os.PathLike) -> None:
-        _save_head(path, self.method, self.config, self.target_info, dict(self.state_dict()))
 
     @classmethod
     def from_pretrained(

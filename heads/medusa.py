@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from heads.base import (
+    HeadFolderMixin,
     LossOutput,
     ParallelDrafter,
     TargetInfo,
@@ -28,7 +29,6 @@ from heads.base import (
     stat_pair,
     warm_start,
 )
-from heads.base import save_head as _save_head
 from heads.folder import load_head_tensors, load_weights, open_head, saved_tensor
 from heads.vocab import d2t_t2d, draft_to_target, frequent_ids, saved_draft_ids, target_to_draft
 
@@ -68,7 +68,7 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(HeadFolderMixin, nn.Module):
     """K Medusa heads over one target. forward: (..., H) -> logits (K, ..., D)."""
 
     method = "medusa"
@@ -208,10 +208,6 @@ class MedusaHeads(nn.Module):
         stats[f"head{k}/top1"] = stat_pair(hit[:, 0].sum(), n, dev)
         stats[f"head{k}/top{kk}"] = stat_pair(hit.any(-1).sum(), n, dev)
         return (loss_sum / n_loss if n_loss else loss_sum * 0), stats
-
-    def save_pretrained(self, path: str | os.PathLike) -> None:
-        tensors = {k: v for k, v in self.state_dict().items()}
-        _save_head(path, self.method, self.config, self.target_info, tensors)
 
     @classmethod
     def from_pretrained(

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from heads.base import (
+    HeadFolderMixin,
     HeadMismatchError,
     LossOutput,
     ParallelDrafter,
@@ -43,7 +44,6 @@ from heads.base import (
     stat_pair,
     warm_start,
 )
-from heads.base import save_head as _save_head
 from heads.folder import load_head_tensors, load_weights, open_head, saved_tensor
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.vocab import frequent_ids, saved_draft_ids
@@ -83,7 +83,7 @@ class Medusa2Config(MedusaConfig):
             raise ValueError(f"head.adapter_lr={self.adapter_lr}: use a positive lr or null.")
 
 
-class Medusa2Head(nn.Module):
+class Medusa2Head(HeadFolderMixin, nn.Module):
     """Medusa heads + a LoRA adapter on `target.model` (injected in place; see module doc)."""
 
     method = "medusa2"
@@ -193,11 +193,12 @@ class Medusa2Head(nn.Module):
 
         return get_peft_model_state_dict(self.adapted)
 
-    def save_pretrained(self, path: str | os.PathLike) -> None:
+    def folder_tensors(self) -> dict[str, Tensor]:
         tensors = dict(self.medusa.state_dict())
-        tensors |= {ADAPTER_PREFIX + k: v for k, v in self.adapter_state().items()}
-        _save_head(path, self.method, self.config, self.target_info, tensors)
-        self.adapted.save_pretrained(str(Path(path) / "adapter"))  # PEFT's own layout too
+        return tensors | {ADAPTER_PREFIX + k: v for k, v in self.adapter_state().items()}
+
+    def write_beside(self, folder: Path) -> None:
+        self.adapted.save_pretrained(str(folder / "adapter"))  # PEFT's own layout too
 
     @classmethod
     def from_pretrained(
