@@ -329,6 +329,17 @@ def synthesize(
         rate = len(kept) / max(1, len(rows)) if rows else 1.0
         want = max(1, min(len(missing), -(-int(need / max(rate, 0.05)) // BLOCK)))
         share = missing[: max(want, world_size)][rank::world_size]
+        if rank == 0:  # a block takes minutes on a CPU: say where the step stands
+            log.info(
+                "synthesis %s: %d of %d prompts kept from %d candidates; writing %d more "
+                "blocks of %d",
+                spec.name,
+                len(kept),
+                spec.synthesize,
+                len(rows),
+                len(share),
+                BLOCK,
+            )
         for block in share:
             first = block * BLOCK
             seed = _block_seed(base_seed, spec, block)

@@ -395,3 +395,13 @@ def test_writer_target_is_not_degenerate(writer):
     torch.manual_seed(0)
     answers = gen.generate([prefix] * 8, 0, temperature=1.0, top_p=1.0)
     assert sum(why == "eos" for _, why in answers) >= 6
+
+
+def test_synthesis_logs_where_it_stands_before_each_round_of_blocks(writer, tmp_path, caplog):
+    """A block of candidates takes minutes at 1.5B on a CPU: the log says how many prompts are
+    kept so far before each round, so a user sees the step move."""
+    caplog.set_level("INFO", logger="data.synthesize")
+    distill(writer, cfg_for(tmp_path, {"synthesize": 3, **LOOSE}), progress=False)
+    rounds = [r.getMessage() for r in caplog.records if "more blocks" in r.getMessage()]
+    assert rounds and rounds[0].startswith("synthesis synth: 0 of 3 prompts kept from 0 candidates")
+    assert any("kept 3 of" in r.getMessage() for r in caplog.records)
