@@ -4,7 +4,7 @@
         --limit 32 --max-new-tokens 128 --out docs/reports/2026-12-02-acceptance-gap/gap.json
 
 What it measures and the commands behind the numbers:
-docs/reports/2026-12-02-acceptance-gap/README.md; the logic: eval/analysis/acceptance_gap.py
+docs/reports/2026-12-02-acceptance-gap/README.md; the logic: lab/analysis/acceptance_gap.py
 (measure_run). Prints the causes table and the per-depth rates
 (markdown) and writes every number to --out (JSON).
 """
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 
 def main(argv: list[str] | None = None) -> int:
-    from eval.analysis.acceptance_gap import NoHeadError, markdown, measure_run
+    from lab.analysis.acceptance_gap import NoHeadError, markdown, measure_run
     from train.rundir import write_json_atomic
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

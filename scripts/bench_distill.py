@@ -1,7 +1,7 @@
 """Self-distillation throughput by backend and batch size, on the embedded target (or any
 conf/model), and how often each backend's greedy answers equal HF's.
 
-Usage and results: docs/guides/cpu_performance.md; the settings: data/distill_bench.py.
+Usage and results: docs/guides/cpu_performance.md; the settings: lab/distill_bench.py.
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from data.distill_bench import bench_distill, bench_settings, summary_rows
     from data.formats import read_prompts
     from data.paths import resolve_path
     from heads.interop.gguf import gguf_for_target
+    from lab.distill_bench import bench_distill, bench_settings, summary_rows
     from train.rundir import conf_target_config, load_conf_target
 
     target = load_conf_target(args.model)

@@ -1,6 +1,7 @@
-"""Feature and training throughput on the embedded target (issue 13; train/throughput.py): tokens/s
-of feature extraction (fp32, bf16 weights, bf16 autocast) and the bf16 features' error, training
-steps per head (padded, packed, bf16 autocast, per-example targets) and disk feature-cache reads.
+"""Feature and training throughput on the embedded target (issue 13; lab/throughput/measure.py):
+tokens/s of feature extraction (fp32, bf16 weights, bf16 autocast) and the bf16 features' error,
+training steps per head (padded, packed, bf16 autocast, per-example targets) and disk
+feature-cache reads.
 
     nice -n 5 python scripts/bench_train_throughput.py --examples 32 --steps 4
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train.throughput import PARTS, ThroughputSettings, default_heads, run  # noqa: E402
+from lab.throughput.measure import PARTS, ThroughputSettings, default_heads, run  # noqa: E402
 
 
 def main() -> None:
@@ -45,7 +46,7 @@ def main() -> None:
     ]
     command = "python scripts/bench_train_throughput.py " + " ".join(flags)
     report = run(ThroughputSettings(**vars(args)), command)
-    from train.throughput_report import markdown
+    from lab.throughput.report import markdown
 
     print(markdown(report))
 

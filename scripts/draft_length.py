@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     n_max = len(at_least)
     if args.ceiling:
         from data.errors import ConfigError
-        from eval.studies.engine_ceiling import ceiling_costs
+        from eval.bench.engine_ceiling import ceiling_costs
 
         try:
             c = ceiling_costs(json.loads((args.ceiling / "summary.json").read_text()), args.type)

@@ -1,6 +1,6 @@
 """Measure llama.cpp's ceiling for drafts on this CPU, per target type.
 
-The logic lives in eval/studies/engine_ceiling.py.
+The logic lives in eval/bench/engine_ceiling.py.
 
     python scripts/engine_ceiling.py --draft DRAFT.gguf --out docs/reports/2026-12-02-engine-ceiling
 
@@ -38,13 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from data.engines.llama_cpp import EngineError
-    from eval.studies.engine_ceiling import (
+    from eval.bench.engine_ceiling import (
         FULL_COMMAND,
         CeilingSettings,
         ceiling_target,
         run_ceiling,
     )
-    from eval.studies.engine_ceiling_report import write
+    from eval.bench.engine_ceiling_report import write
 
     try:
         settings = CeilingSettings.from_text(

@@ -6,7 +6,7 @@
     python scripts/recipe_search.py --report-only       # re-render that recipes.md
 
 Run the same command in a second shell to share the points (each runs under a lock, at
---threads threads). eval/studies/recipes.py documents the data split, how a budget becomes a
+--threads threads). lab/studies/recipes.py documents the data split, how a budget becomes a
 step count and how points resume. Exit status 3: some point had greedy mismatches.
 """
 
@@ -44,10 +44,10 @@ def main() -> int:
     args = p.parse_args()
 
     from data.errors import DraftsmithError
-    from eval.studies import recipes
-    from eval.studies.recipes_report import render
-    from eval.studies.store import load_json
-    from eval.studies.variants import parse_variants
+    from lab.studies import recipes
+    from lab.studies.recipes_report import render
+    from lab.studies.store import load_json
+    from lab.studies.variants import parse_variants
 
     if args.report_only:
         print(render(load_json(args.docs / "results.json"), args.docs))

@@ -1,4 +1,4 @@
-"""Write or check the README's results table and docs/results.md (eval.publish.results_table).
+"""Write or check the README's results table and docs/results.md (lab.results_table).
 
     python scripts/results_table.py --write   # after adding or changing a report in docs/
     python scripts/results_table.py --check   # exit 1 if either file is out of date
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from data.errors import DraftsmithError  # noqa: E402
-from eval.publish import results_table  # noqa: E402
+from lab import results_table  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

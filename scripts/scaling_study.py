@@ -1,5 +1,5 @@
 """The scale study: what self-distilled data buys a draft
-(docs/reports/2026-12-01-scaling/README.md; the study itself is eval/studies/scaling.py, whose
+(docs/reports/2026-12-01-scaling/README.md; the study itself is lab/studies/scaling.py, whose
 docstring says what each point trains and measures).
 
     python scripts/scaling_study.py --data SD.jsonl --budgets 25000 100000 400000
@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
 from data.errors import ConfigError, DraftsmithError  # noqa: E402
-from eval.studies.scaling import EXPERIMENTS, StudyConfig, run_study  # noqa: E402
+from lab.studies.scaling import EXPERIMENTS, StudyConfig, run_study  # noqa: E402
 
 
 def main() -> None:

@@ -3,7 +3,7 @@ held-out human conversations, with and without a Medusa-2 head's adapter.
 
     python scripts/target_quality.py outputs/<run>/best_head --out outputs/quality.json
 
-What it scores and the default held-out sets: eval/analysis/target_quality.py.
+What it scores and the default held-out sets: lab/analysis/target_quality.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 
 def main() -> None:
-    from eval.analysis.target_quality import DEFAULT_SETS, quality_report
+    from lab.analysis.target_quality import DEFAULT_SETS, quality_report
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("head", type=Path, help="a Medusa-2 head folder")

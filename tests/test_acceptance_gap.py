@@ -1,5 +1,5 @@
 """The chain estimate (heads/acceptance.py, EAGLE-3's validation stats) and the acceptance-gap
-analysis (eval/analysis/acceptance_gap.py).
+analysis (lab/analysis/acceptance_gap.py).
 
 On a tiny EAGLE-3 head fitted to a tiny target's greedy answers (so that chains are accepted
 for 0 to 3 tokens): the draft logits decoding computes in every round equal the training-time
@@ -15,7 +15,15 @@ import torch
 from conftest import diverse, make_llama
 
 from data.dataset import collate
-from eval.analysis.acceptance_gap import (
+from eval.engine.drafting import make_proposer
+from eval.engine.generator import SpeculativeGenerator
+from eval.engine.tree_spec import resolve_tree
+from eval.engine.verify import GreedyVerifier
+from heads.acceptance import accepted_lengths, chain_tau, chain_walk, label_runs, walk_turn
+from heads.eagle3 import Eagle3Config, Eagle3Head
+from heads.target import Target
+from heads.vocab import count_tokens
+from lab.analysis.acceptance_gap import (
     ChainRecorder,
     analyse,
     causes,
@@ -32,14 +40,6 @@ from eval.analysis.acceptance_gap import (
     ttt_unroll,
     walked_rows,
 )
-from eval.engine.drafting import make_proposer
-from eval.engine.generator import SpeculativeGenerator
-from eval.engine.tree_spec import resolve_tree
-from eval.engine.verify import GreedyVerifier
-from heads.acceptance import accepted_lengths, chain_tau, chain_walk, label_runs, walk_turn
-from heads.eagle3 import Eagle3Config, Eagle3Head
-from heads.target import Target
-from heads.vocab import count_tokens
 from train.features import batch_features
 
 PROMPTS = [[2, 40, 17, 99, 5, 63, 120, 8], [2, 41, 18, 9, 50, 6, 12]]
@@ -332,7 +332,7 @@ def test_script_on_a_run_dir(tmp_path):
 def test_references_are_cached_per_target_prompts_and_length(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from eval.analysis import acceptance_gap
+    from lab.analysis import acceptance_gap
 
     calls = []
 
@@ -357,7 +357,7 @@ def test_script_without_a_head_is_a_usage_error(tmp_path, monkeypatch, capsys):
     import sys
     from pathlib import Path
 
-    from eval.analysis import acceptance_gap
+    from lab.analysis import acceptance_gap
 
     monkeypatch.setattr(acceptance_gap, "load_run", lambda run_dir: (None, [], {}))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))

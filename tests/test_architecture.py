@@ -5,15 +5,24 @@ imports no other part of eval; eval.bench (the benchmark) and eval.publish (expo
 each build on the engine and never on each other, so either can change without the other.
 On top of that: no import cycle between the project's modules, no code file over 500 lines, and
 no script over 80 (scripts/*.py parse arguments and call a module that holds the logic).
+
+The lab (lab/: measurement campaigns, analyses, the report generators) sits outside the product:
+pyproject does not install it, and nothing of the product (the four packages, conf/ and the
+entry points train.py and evaluate.py) imports it, so what `pip install .` ships never needs it.
 """
 
 from __future__ import annotations
 
 import ast
+import re
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("data", "heads", "train", "eval")
+LAB = "lab"
+# the product's modules outside its packages: the root entry points
+ENTRY_POINTS = ("train.py", "evaluate.py")
 # package -> packages it must never import
 FORBIDDEN = {
     "data": {"heads", "train", "eval"},
@@ -23,10 +32,9 @@ FORBIDDEN = {
 # eval sub-package -> the eval modules it must never import (prefixes)
 EVAL_FORBIDDEN = {
     "eval.engine": ("eval.",),  # the base: nothing of eval but itself (checked below)
-    "eval.bench": ("eval.publish", "eval.studies", "eval.analysis"),
-    "eval.publish": ("eval.bench", "eval.studies", "eval.analysis"),
-    # studies (recipe and scale searches) and analysis (acceptance-gap measurements) sit on top:
-    # they may use the engine and the benchmark; nothing below imports them
+    "eval.bench": ("eval.publish",),
+    "eval.publish": ("eval.bench",),
+    # eval.cli sits on top and may use both; the lab's studies sit outside eval (see LAB)
 }
 MAX_LINES = 500
 # path -> why it may be longer than MAX_LINES (empty: no file has a reason today)
@@ -48,7 +56,7 @@ def _module_name(path: Path) -> str:
 def _project_modules() -> dict[str, Path]:
     return {
         _module_name(p): p
-        for package in PACKAGES
+        for package in (*PACKAGES, LAB)
         for p in sorted((ROOT / package).rglob("*.py"))
         if "__pycache__" not in p.parts
     }
@@ -242,13 +250,15 @@ def test_the_checks_see_what_they_guard(tmp_path):
     assert wrong_way({"eval.publish.a": {"eval.bench", "eval.engine.t"}}) == [
         "eval.publish.a imports ['eval.bench']"
     ]
-    assert wrong_way({"eval.bench.b": {"eval.engine.t", "eval.studies.s"}}) == [
-        "eval.bench.b imports ['eval.studies.s']"
+    assert wrong_way({"eval.bench.b": {"eval.engine.t", "eval.publish.p"}}) == [
+        "eval.bench.b imports ['eval.publish.p']"
     ]
-    assert wrong_way({"eval.studies.s": {"eval.bench.b", "eval.engine.t"}}) == []
+    assert wrong_way({"eval.cli.c": {"eval.bench.b", "eval.publish.p"}}) == []
+    assert wrong_way({"lab.s": {"eval.bench.b", "train.loop", "data.x"}}) == []
     assert wrong_way({"heads.h": {"train.loop", "data.x"}}) == ["heads.h imports ['train.loop']"]
     graph = import_graph()
     assert "eval.engine.kv_cache" in graph["eval.engine.generator"]
+    assert "lab.studies.store" in graph["lab.studies.recipes"]  # the lab's cycles count too
     files = {str(p.relative_to(ROOT)) for p in _code_files()}
     assert {"heads/base.py", "scripts/gpu_check.py", "train.py"} <= files
     assert not any(f.startswith("tests/") for f in files)
@@ -270,3 +280,95 @@ def test_layout_from_product_card():
         assert (ROOT / name).is_file(), name
     for name in ("engine", "bench", "publish"):
         assert (ROOT / "eval" / name / "__init__.py").is_file(), f"eval/{name}"
+
+
+# ---- the lab stays outside the product ------------------------------------------------------
+
+# a Hydra config building a lab object would make the installed package need the lab
+_LAB_TARGET = re.compile(rf"_target_:\s*['\"]?{LAB}\.")
+
+
+def imported_names(source: str) -> set[str]:
+    """Every absolute module name the code imports: import statements anywhere in the file, and
+    importlib.import_module / __import__ of a constant string."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if called in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                names.add(node.args[0].value)
+    return names
+
+
+def lab_imports(root: Path) -> list[str]:
+    """'<file> imports [...]' for each product file under `root` that reaches into the lab: a
+    module of the four packages or a root entry point importing it, or a config whose
+    `_target_` is a lab object."""
+    bad = []
+    code = [p for package in PACKAGES for p in sorted((root / package).rglob("*.py"))]
+    for path in [*code, *(root / name for name in ENTRY_POINTS)]:
+        if not path.is_file() or "__pycache__" in path.parts:
+            continue
+        hits = sorted(n for n in imported_names(path.read_text()) if _inside(n, LAB))
+        if hits:
+            bad.append(f"{path.relative_to(root)} imports {hits}")
+    for path in sorted((root / "conf").rglob("*.yaml")):
+        if _LAB_TARGET.search(path.read_text()):
+            bad.append(f"{path.relative_to(root)} builds a lab object (_target_: {LAB}.*)")
+    return bad
+
+
+def test_the_product_never_imports_the_lab():
+    bad = lab_imports(ROOT)
+    assert not bad, (
+        "the installed product reaches into lab/, which pip install leaves out; move what it "
+        "needs into the package where its concept lives:\n" + "\n".join(bad)
+    )
+
+
+def test_the_lab_scan_sees_every_way_in(tmp_path):
+    """Top-level, function-level, `from` and importlib imports of the lab are found, in a
+    package and in an entry point; a name that only starts with the same letters is not."""
+    (tmp_path / "eval" / "bench").mkdir(parents=True)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "conf" / "bench").mkdir(parents=True)
+    (tmp_path / "eval" / "bench" / "a.py").write_text("import lab.studies.store\nimport labels\n")
+    (tmp_path / "eval" / "bench" / "b.py").write_text("def f():\n    from lab import x\n")
+    (tmp_path / "data" / "c.py").write_text("import importlib\nimportlib.import_module('lab.y')\n")
+    (tmp_path / "train.py").write_text("from lab.analysis.target_quality import score\n")
+    (tmp_path / "evaluate.py").write_text("from eval.bench import a\n")
+    (tmp_path / "conf" / "bench" / "x.yaml").write_text("_target_: lab.studies.recipes.Search\n")
+    assert lab_imports(tmp_path) == [
+        "data/c.py imports ['lab.y']",
+        "eval/bench/a.py imports ['lab.studies.store']",
+        "eval/bench/b.py imports ['lab']",
+        "train.py imports ['lab.analysis.target_quality']",
+        "conf/bench/x.yaml builds a lab object (_target_: lab.*)",
+    ]
+
+
+def test_pip_install_leaves_the_lab_out():
+    """pyproject's package discovery (setuptools matches each dotted package name against the
+    include and exclude patterns) finds the product's packages and none of the lab's."""
+    from setuptools.config.pyprojecttoml import read_configuration  # Python 3.10 has no tomllib
+
+    tool = read_configuration(ROOT / "pyproject.toml", expand=False)["tool"]["setuptools"]
+    find = tool["packages"]["find"]
+
+    def shipped(package: str) -> bool:
+        def matches(patterns):
+            return any(fnmatchcase(package, p) for p in patterns)
+
+        return matches(find.get("include", ["*"])) and not matches(find.get("exclude", []))
+
+    lab_packages = [_module_name(p) for p in sorted((ROOT / LAB).rglob("__init__.py"))]
+    assert {"lab", "lab.studies", "lab.analysis"} <= set(lab_packages)
+    assert all(shipped(p) for p in ("train", "heads.interop", "eval.bench", "conf"))
+    assert not [p for p in lab_packages if shipped(p)], "pyproject's packages.find ships the lab"
+    data = [key for key in tool.get("package-data", {}) if _inside(key, LAB)]
+    assert not data, f"pyproject's package-data ships lab files: {data}"

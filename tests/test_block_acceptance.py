@@ -15,7 +15,16 @@ import torch
 from conftest import diverse, make_llama, make_tokenizer
 
 from data.dataset import collate, pack_examples
-from eval.analysis.acceptance_gap import (
+from eval.engine.block_proposer import BlockProposer
+from eval.engine.generator import SpeculativeGenerator
+from eval.engine.tree import chain_tree
+from eval.engine.verify import GreedyVerifier
+from heads.block_training import every_anchor, sample_anchors
+from heads.dflash import DFlashConfig, DFlashHead
+from heads.dspark import DSparkConfig, DSparkHead
+from heads.target import Target
+from heads.vocab import count_tokens
+from lab.analysis.acceptance_gap import (
     analyse,
     causes,
     decode_stats,
@@ -26,15 +35,6 @@ from eval.analysis.acceptance_gap import (
     teacher_forced,
     walked_rows,
 )
-from eval.engine.block_proposer import BlockProposer
-from eval.engine.generator import SpeculativeGenerator
-from eval.engine.tree import chain_tree
-from eval.engine.verify import GreedyVerifier
-from heads.block_training import every_anchor, sample_anchors
-from heads.dflash import DFlashConfig, DFlashHead
-from heads.dspark import DSparkConfig, DSparkHead
-from heads.target import Target
-from heads.vocab import count_tokens
 
 PROMPTS = [[2, 40, 17, 99, 5, 63, 120, 8], [2, 41, 18, 9, 50, 6, 12], [2, 77, 30, 4, 91]]
 NEW = 40
@@ -150,7 +150,7 @@ def test_the_walk_follows_a_confidence_cut(answered):
 
 
 def test_the_gap_analysis_takes_a_block_drafter(answered):
-    """eval/analysis/acceptance_gap.py on a DSpark head: the teacher-forced chains are what
+    """lab/analysis/acceptance_gap.py on a DSpark head: the teacher-forced chains are what
     decoding drafted round by round, the walk is decoding's tau, and the trainer's
     `tau_estimate` heads the causes table."""
     target, examples = answered

@@ -1,4 +1,4 @@
-"""data/distill_bench.py (scripts/bench_distill.py): the settings it runs and the numbers it
+"""lab/distill_bench.py (scripts/bench_distill.py): the settings it runs and the numbers it
 reports, with distill itself stood in for (no generation, no llama-server)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from data import distill_bench
-from data.distill_bench import bench_distill, bench_settings, summary_rows
+from lab import distill_bench
+from lab.distill_bench import bench_distill, bench_settings, summary_rows
 
 
 def test_settings_run_hf_dtypes_then_each_gguf_at_each_slot_count():

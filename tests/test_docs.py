@@ -14,7 +14,7 @@ import pytest
 
 from data.errors import DraftsmithError
 from eval.bench import report
-from eval.publish import readme_table, results_table
+from lab import readme_table, results_table
 
 ROOT = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 250

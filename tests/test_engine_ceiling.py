@@ -11,7 +11,7 @@ import pytest
 
 from data.engines.llama_cpp import EngineError
 from data.engines.llama_tools import CostCurve, parse_llama_bench
-from eval.studies.engine_ceiling import (
+from eval.bench.engine_ceiling import (
     CeilingSettings,
     ServerStats,
     break_even_tau,
@@ -227,7 +227,7 @@ def test_gguf_type_name_reads_the_file_type(tmp_path):
 
 
 def test_ceiling_report_renders_every_table_and_plot(tmp_path):
-    from eval.studies.engine_ceiling_report import render, write
+    from eval.bench.engine_ceiling_report import render, write
 
     plain = ServerStats(2, 202, 2000.0, 0).to_json() | {"speedup_vs_fastest_plain": 1.0}
     run = {"rates": [1.0], "forced_tau": 2.0, "tau": 2.0, "speedup": 1.5,
@@ -287,8 +287,8 @@ def test_draft_length_script_prices_lengths_on_a_ceiling_curve(tmp_path, capsys)
 
 def test_step_costs_from_a_benchmark_and_from_a_ceiling_run():
     from data.errors import ConfigError
+    from eval.bench.engine_ceiling import ceiling_costs
     from eval.bench.llama_cpp import measured_step_costs, ms_per_step
-    from eval.studies.engine_ceiling import ceiling_costs
 
     assert ms_per_step({"seconds": 2.0, "target_forwards": 100}) == 20.0
     assert ms_per_step({"seconds": 0.5, "target_forwards": 0}) == 500.0  # no step: one
@@ -333,7 +333,7 @@ def test_draft_length_script_prices_lengths_on_the_benchmark_itself(tmp_path, ca
 
 
 def test_settings_from_the_command_lines_spelling(monkeypatch):
-    from eval.studies.engine_ceiling import ceiling_target
+    from eval.bench.engine_ceiling import ceiling_target
 
     settings = CeilingSettings.from_text("q4_0,,f32", "1, 4,", "0.6;0.5,0.25;", threads=1)
     assert settings.types == ["q4_0", "f32"] and settings.batches == [1, 4]
@@ -350,7 +350,7 @@ def test_settings_from_the_command_lines_spelling(monkeypatch):
 def test_engine_ceiling_script_runs_the_study_and_writes_the_report(tmp_path, monkeypatch, capsys):
     import importlib.util
 
-    from eval.studies import engine_ceiling, engine_ceiling_report
+    from eval.bench import engine_ceiling, engine_ceiling_report
 
     spec = importlib.util.spec_from_file_location(
         "engine_ceiling_cli", Path(__file__).resolve().parents[1] / "scripts/engine_ceiling.py"

@@ -979,8 +979,8 @@ def test_llama_bench_measures_a_verify_cost_curve(tiny_setup):
 
 
 def test_engine_ceiling_runs_end_to_end_on_the_tiny_target(tiny_setup, tmp_path):
-    from eval.studies.engine_ceiling import CeilingSettings, run_ceiling
-    from eval.studies.engine_ceiling_report import write
+    from eval.bench.engine_ceiling import CeilingSettings, run_ceiling
+    from eval.bench.engine_ceiling_report import write
 
     settings = CeilingSettings(
         types=["f32", "q8_0"], threads=1, batches=[1, 2], depth=16, reps=1,

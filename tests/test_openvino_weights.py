@@ -215,7 +215,7 @@ def test_bad_weight_types_fail_in_one_line(typed_setup, tmp_path):
 
 
 def test_the_results_table_names_an_ir_weight_type_and_the_engines_fastest_plain():
-    from eval.publish import results_table
+    from lab import results_table
 
     meta = {
         "openvino": {"weights": ["f32", "int4"]},

@@ -1,4 +1,4 @@
-"""eval/studies/recipes.py: planning, budget -> steps, resume, merging, report, a real point."""
+"""lab/studies/recipes.py: planning, budget -> steps, resume, merging, report, a real point."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from data.errors import ConfigError, DraftsmithError
-from eval.studies import recipes
-from eval.studies.recipes_report import BEGIN, END, render
-from eval.studies.store import load_json, locked, update_json
-from eval.studies.variants import parse_variants
+from lab.studies import recipes
+from lab.studies.recipes_report import BEGIN, END, render
+from lab.studies.store import load_json, locked, update_json
+from lab.studies.variants import parse_variants
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,7 +71,7 @@ def test_plan_crosses_variants_budgets_and_seeds_with_stable_keys(tmp_path):
 def test_a_changed_experiment_changes_the_digest_and_comments_do_not(tmp_path, monkeypatch):
     """A variant with the same overrides trains something else once its experiment's settings
     change (eagle3_llama's lr moved from 5e-4 to 1e-3): its old points must not be reused."""
-    from eval.studies import variants as vmod
+    from lab.studies import variants as vmod
 
     monkeypatch.setattr(vmod, "EXPERIMENTS", tmp_path)
     exp = tmp_path / "mine.yaml"

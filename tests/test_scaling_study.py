@@ -1,4 +1,4 @@
-"""The scale study (eval/studies/scaling.py, scripts/scaling_study.py): the data a point trains
+"""The scale study (lab/studies/scaling.py, scripts/scaling_study.py): the data a point trains
 on, the plan, the results file and the report."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from data.errors import ConfigError
-from eval.studies import scaling, scaling_report
+from lab.studies import scaling, scaling_report
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "scaling_study.py"
 

@@ -1,4 +1,4 @@
-"""eval/analysis/target_quality.py (scripts/target_quality.py): the target's own loss with and
+"""lab/analysis/target_quality.py (scripts/target_quality.py): the target's own loss with and
 without a Medusa-2 adapter, on a tiny random target."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import make_llama, make_tokenizer
 
-from eval.analysis.target_quality import DEFAULT_SETS, held_out, quality_report, score
 from heads.medusa2 import Medusa2Config, Medusa2Head
 from heads.target import Target
+from lab.analysis.target_quality import DEFAULT_SETS, held_out, quality_report, score
 
 OASST = "data/corpora/oasst_en/conversations.jsonl"
 

@@ -1,5 +1,5 @@
-"""train/throughput.py (scripts/bench_train_throughput.py): the feature, training-step and disk
-cache measurements on a tiny target, and the markdown report written from them."""
+"""lab/throughput/measure.py (scripts/bench_train_throughput.py): the feature, training-step and
+disk cache measurements on a tiny target, and the markdown report written from them."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from data.features import compute_features
 from heads.eagle3 import Eagle3Config, default_aux_layers
 from heads.medusa import MedusaConfig
-from train.throughput import (
+from lab.throughput.measure import (
     ThroughputSettings,
     default_heads,
     extraction,
@@ -22,7 +22,7 @@ from train.throughput import (
     measure,
     train_steps,
 )
-from train.throughput_report import markdown
+from lab.throughput.report import markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = (12, 5, 9, 4, 11, 6, 8, 3)

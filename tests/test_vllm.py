@@ -358,7 +358,7 @@ def test_eagle3_1_draft_is_accepted_in_vllm_as_in_the_harness(tiny, tmp_path, la
 
 
 def test_the_results_table_names_vllms_baseline_and_fastest_plain():
-    from eval.publish.results_table import _fastest, _speedup, _target
+    from lab.results_table import _fastest, _speedup, _target
 
     meta = {
         "target_dtype": "float32",

@@ -235,7 +235,7 @@ def best_draft_length(
     - step_ms: milliseconds per target step for some draft lengths (k -> ms), e.g. plain and
       drafted runs of one benchmark (scripts/draft_length.py);
     - verify_ms: a verify-cost curve, milliseconds to decode a batch of b tokens (b -> ms, from
-      `llama-bench -p 1,2,4,8,16 -n 0 -d D`, eval/studies/engine_ceiling.py), a step drafting k
+      `llama-bench -p 1,2,4,8,16 -n 0 -d D`, eval/bench/engine_ceiling.py), a step drafting k
       tokens
       verifying k+1, plus `overhead_ms` per step (the server's own work beyond the forward).
     Expected tokens per step with k drafted = 1 + sum(at_least[:k]); cost = verify(k) +

@@ -1,7 +1,7 @@
 """How a benchmark names a method run against one of several target types: `llama_cpp_draft@q4_0`
 is `llama_cpp_draft` on the Q4_0 entry of `llama_cpp.target_gguf`. The benchmark writes these
-names (eval/bench/llama_cpp_targets.py) and the publishing step reads them
-(eval/publish/results_table.py); both build on the engine, so the spelling lives here."""
+names (eval/bench/llama_cpp_targets.py) and the results table reads them (lab/results_table.py,
+outside the package); the spelling lives in the engine, which both can import."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ in the report's folder: the recipe that trained each head, the date, the machine
 
 Every drafting method of a summary needs an entry in `rows` (baselines, which draft nothing, are
 left out); an entry may override any derived cell (`method`, `tree`, `target`, `benchmark`).
-`"readme": true` makes a row its recipe's line in the README (eval/publish/readme_table.py).
+`"readme": true` makes a row its recipe's line in the README (lab/readme_table.py).
 `render(root)` returns the files as they should be; `check` and `write` compare or replace them.
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 from data.errors import DraftsmithError
 from data.paths import atomic_write
 from eval.engine.method_names import split_name
-from eval.publish.readme_table import END, START, readme_block, recipe_budgets
+from lab.readme_table import END, START, readme_block, recipe_budgets
 
 RESULTS_MD = Path("docs/results.md")
 SIDECAR = "source.json"

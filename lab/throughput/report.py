@@ -1,5 +1,5 @@
 """docs/reports/2026-12-01-throughput/throughput.md from a throughput report
-(train/throughput.py): a table per part measured, then what the settings measured mean."""
+(lab/throughput/measure.py): a table per part measured, then what the settings measured mean."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What speculative chain decoding drafted, round by round, for eval/analysis/acceptance_gap.py.
+"""What speculative chain decoding drafted, round by round, for lab/analysis/acceptance_gap.py.
 
 `ChainRecorder` wraps the harness's proposer (eval/engine/drafting.py `make_proposer`) and
 records, per verification round, the root position and the drafted chain; `decode_stats` reads

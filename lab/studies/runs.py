@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 from data.errors import DraftsmithError
-from eval.studies.store import read_jsonl
+from lab.studies.store import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 # the per-depth accuracy names each head family logs: EAGLE-3's unrolled steps, a block

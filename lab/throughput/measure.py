@@ -312,8 +312,8 @@ def run(settings: ThroughputSettings, command: str) -> dict:
     """Measure on the settings' target and data, write settings.out (markdown) and its .json,
     and return the report. command: how it was started, for the report's header."""
     from heads.eagle3 import default_aux_layers
+    from lab.throughput.report import markdown
     from train.rundir import load_conf_target
-    from train.throughput_report import markdown
 
     torch.set_num_threads(settings.threads)
     target = load_conf_target(settings.model)

@@ -1,4 +1,4 @@
-"""report.md, summary.json and plots of an engine-ceiling run (eval/studies/engine_ceiling.py)."""
+"""report.md, summary.json and plots of an engine-ceiling run (eval/bench/engine_ceiling.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """docs/reports/2026-12-01-scaling/scaling/: the scale study's table and plots, rendered from its
-results file (eval/studies/scaling.py writes it point by point)."""
+results file (lab/studies/scaling.py writes it point by point)."""
 
 from __future__ import annotations
 

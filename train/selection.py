@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from train.checkpoint.folder import save_head_folder
+from heads.base import atomic_save_dir
 from train.rundir import (
     BEST_DIR,
     BEST_FILE,
@@ -34,6 +34,7 @@ from train.rundir import (
     manifest_problems,
     read_json,
     write_json_atomic,
+    write_manifest,
 )
 
 log = logging.getLogger(__name__)
@@ -107,10 +108,12 @@ class BestKeeper:
             return False
         record = {"metric": self.metric, "value": value, "step": step}
 
-        def also(tmp: Path) -> None:
+        def write(tmp: Path) -> None:
+            head.save_pretrained(tmp)
             write_json_atomic(tmp / BEST_FILE, record)
+            write_manifest(tmp)
 
-        save_head_folder(head, self.run_dir / BEST_DIR, also)  # the folder first, whole and synced
+        atomic_save_dir(self.run_dir / BEST_DIR, write)  # the folder first, complete and synced
         write_json_atomic(self.run_dir / BEST_FILE, record)  # then the pointer to it
         self.best = value
         return True

@@ -1,5 +1,5 @@
 """The README's results block: one row per recipe, the recipe to use above it and the recipes
-without a benchmark report below it (eval/publish/results_table.py builds the rows and splices
+without a benchmark report below it (lab/results_table.py builds the rows and splices
 the block between the markers).
 
 A README row is a row of the results table that its report's source.json marks `"readme": true`.

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from data.errors import ConfigError, DraftsmithError
-from eval.studies.runs import (
+from lab.studies.runs import (
     call,
     child_env,
     children_cpu_s,
@@ -54,8 +54,8 @@ from eval.studies.runs import (
     train_metrics,
     train_rows,
 )
-from eval.studies.store import load_json, locked, read_jsonl, update_json, write_text
-from eval.studies.variants import Variant
+from lab.studies.store import load_json, locked, read_jsonl, update_json, write_text
+from lab.studies.variants import Variant
 
 REPO = Path(__file__).resolve().parents[2]
 # the heads: entries of each point's one evaluate.py run: a chain of 3 and EAGLE-2's dynamic tree
@@ -388,7 +388,7 @@ def merged_meta(cfg: SearchConfig, split: dict, results: dict) -> dict:
 def run_search(cfg: SearchConfig, runner: Runner = call) -> list[str]:
     """Run every point of the plan that is not done, skipping those another invocation holds;
     re-render the report after each. Returns the keys of points with greedy mismatches."""
-    from eval.studies.recipes_report import render
+    from lab.studies.recipes_report import render
 
     split = split_data(cfg)
     if split["val_rows"] < 40:

@@ -19,7 +19,7 @@ sequence's tokens), and DSpark's own `val/tau_estimate` heads the causes table.
 
 On the target's own greedy continuations the walk is not an estimate: it is the tau speculative
 decoding must measure, and the draft's teacher-forced top-1 at the rows decoding queried is
-what decoding drafted there. eval/analysis/chain_decoding.py records, for every round, the root
+what decoding drafted there. lab/analysis/chain_decoding.py records, for every round, the root
 position and the drafted chain, so both are checked (cause d: a train/decode mismatch shows up
 as a difference).
 """
@@ -34,7 +34,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from eval.analysis.chain_decoding import (  # noqa: F401  (part of this module's API)
+from heads.acceptance import accepted_lengths, chain_tau, chain_walk, label_runs, walk_rows
+from heads.base import batch_positions, label_mask, masked_shift
+from heads.draft_layer import DraftCache
+from heads.eagle3 import ttt_attention_mask
+from lab.analysis.chain_decoding import (  # noqa: F401  (part of this module's API)
     ChainRecorder,
     DecodedTurn,
     _ratio,
@@ -43,10 +47,6 @@ from eval.analysis.chain_decoding import (  # noqa: F401  (part of this module's
     hf_greedy,
     queried_rows,
 )
-from heads.acceptance import accepted_lengths, chain_tau, chain_walk, label_runs, walk_rows
-from heads.base import batch_positions, label_mask, masked_shift
-from heads.draft_layer import DraftCache
-from heads.eagle3 import ttt_attention_mask
 
 
 @dataclass

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from data.errors import ConfigError, DraftsmithError
-from eval.studies.scaling_report import COMPARISONS, render
+from lab.studies.scaling_report import COMPARISONS, render
 from train.rundir import DATA_STATS, METRICS_FILE
 
 REPO = Path(__file__).resolve().parents[2]

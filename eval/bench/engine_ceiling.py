@@ -18,7 +18,7 @@ own measured tau (next to the measured one), and the draft lengths n-max/n-min t
 curve recommends for the draft's per-position acceptance
 (eval.bench.llama_cpp.best_draft_length). All rates are decode-only (llama-server's
 `predicted_*` timings: the prompt and its first token excluded), so types compare on what a
-draft can change. The report (eval/studies/engine_ceiling_report.py) names the fastest plain
+draft can change. The report (eval/bench/engine_ceiling_report.py) names the fastest plain
 type and
 gives every speedup against the same type's plain decoding and against that fastest one.
 """

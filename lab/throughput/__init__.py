@@ -1,0 +1,1 @@
+"""Feature and training throughput: measure.py runs it, report.py writes its markdown."""
