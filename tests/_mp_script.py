@@ -27,10 +27,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
 
 from tests._dummy_head import DummyHead, collate_with_ids, make_examples, make_target  # noqa: E402
-from train import checkpoint as checkpoint_module  # noqa: E402
-from train import checkpointing as checkpointing_module  # noqa: E402
 from train import loop as loop_module  # noqa: E402
+from train.checkpoint import folder as checkpoint_folder  # noqa: E402
 from train.checkpoint import gathered_weights  # noqa: E402
+from train.checkpoint import run as checkpoint_run  # noqa: E402
 from train.config import TrainerConfig  # noqa: E402
 from train.loop import Trainer  # noqa: E402
 
@@ -57,7 +57,7 @@ def weights_digest(module: torch.nn.Module) -> str:
 
 
 def record_writes(rank: int, current: dict) -> None:
-    """Wrap the loop's writers (train/checkpointing.py) so each process notes what it wrote, in
+    """Wrap the loop's writers (train/checkpoint/run.py) so each process notes what it wrote, in
     current["run_dir"]."""
 
     def noting(kind, write):
@@ -68,21 +68,21 @@ def record_writes(rank: int, current: dict) -> None:
 
         return wrapper
 
-    module = checkpointing_module
+    module = checkpoint_run
     module.save_checkpoint = noting("checkpoint", module.save_checkpoint)
-    module.atomic_save_dir = noting("head", module.atomic_save_dir)
+    module.save_head_folder = noting("head", module.save_head_folder)
 
 
 def crash_in_save(step: int) -> None:
     """Die after the head file of checkpoint `step` is written, before the rest."""
-    real_save = checkpoint_module.torch.save
+    real_save = checkpoint_folder.torch.save
 
     def save(obj, path, *args, **kwargs):
         if f".step_{step}." in str(path):
             os._exit(CRASH_EXIT_CODE)
         return real_save(obj, path, *args, **kwargs)
 
-    checkpoint_module.torch.save = save
+    checkpoint_folder.torch.save = save
 
 
 def force_fsdp_on_cpu() -> None:

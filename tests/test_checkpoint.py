@@ -106,7 +106,7 @@ def test_resume_restores_the_rng(target, tmp_path, monkeypatch):
     # which shows the exact-resume test really exercises the RNG path
     straight, _ = run(target, tmp_path / "straight")
     run(target, tmp_path / "resumed", stop_at=3)
-    monkeypatch.setattr("train.checkpointing.restore_rng_state", lambda state: None)
+    monkeypatch.setattr("train.checkpoint.run.restore_rng_state", lambda state: None)
     resumed, _ = run(target, tmp_path / "resumed")
     assert not torch.equal(straight.proj.weight, resumed.proj.weight)
 
@@ -136,7 +136,7 @@ def test_a_failed_write_leaves_no_checkpoint(tmp_path, monkeypatch):
             raise OSError("disk full")
         return real_save(obj, path, *args, **kwargs)
 
-    monkeypatch.setattr(ckpt.torch, "save", failing_save)
+    monkeypatch.setattr("train.checkpoint.folder.torch.save", failing_save)
     with pytest.raises(OSError, match="disk full"):
         ckpt.save_checkpoint(
             tmp_path,
@@ -261,7 +261,7 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(target, tmp_path, cap
     head_file = root / "step_5" / ckpt.HEAD_FILE
     head_file.write_bytes(head_file.read_bytes()[:40])  # a power cut during the copy
 
-    with caplog.at_level("WARNING", logger="train.resume"):
+    with caplog.at_level("WARNING", logger="train.checkpoint.resume"):
         resumed, result = run(target, tmp_path / "r")
     assert result.step == 6
     assert_same_weights(straight, resumed)
@@ -311,7 +311,7 @@ def test_allowed_change_applies_the_new_learning_rate(target, tmp_path, caplog):
         collate_fn=collate_with_ids,
         target=target,
     )
-    with caplog.at_level("WARNING", logger="train.resume"):
+    with caplog.at_level("WARNING", logger="train.checkpoint.resume"):
         trainer.resume()
     assert trainer.scheduler.base_lrs == [2e-2, 2e-2]
     want = 2e-2 * lr_multiplier(3, warmup=2, total=6)
@@ -321,7 +321,7 @@ def test_allowed_change_applies_the_new_learning_rate(target, tmp_path, caplog):
 
 def test_cadence_and_length_changes_are_applied_and_logged(target, tmp_path, caplog):
     run(target, tmp_path, stop_at=3)
-    with caplog.at_level("INFO", logger="train.resume"):
+    with caplog.at_level("INFO", logger="train.checkpoint.resume"):
         _, result = run(target, tmp_path, max_steps=8, log_every=2, save_every=4)
     assert result.step == 8
     messages = [r.getMessage() for r in caplog.records]

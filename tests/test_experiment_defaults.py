@@ -169,8 +169,8 @@ def test_llama_cpp_draft_refuses_a_head_llama_cpp_cannot_serve(tiny_llama):
 def test_a_run_started_before_experiments_named_trees_still_resumes():
     """The tree is evaluate.py's: a training run's config gains `tree` from its experiment, and
     a checkpoint written without it resumes (the change is free, not a refused one)."""
+    from train.checkpoint.resume import diff_settings, run_record
     from train.config import TrainerConfig
-    from train.resume import diff_settings, run_record
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=["+experiment=dspark_llama"])

@@ -5,7 +5,7 @@ quietly runs as DDP (MULTI_CPU). torch's FSDP2 `fully_shard` itself works over g
 script forces Accelerate's FSDP path (tests/_mp_script.py: force_fsdp_on_cpu) and the loop's
 sharded code runs here: the head's parameters and optimizer moments are DTensor shards, the
 checkpoint gathers them on rank 0, resume spreads them again, and validation and head saving
-run on a full copy gathered on every process (train/loop.py, train/checkpoint.py).
+run on a full copy gathered on every process (train/loop.py, train/checkpoint/state.py).
 """
 
 from __future__ import annotations

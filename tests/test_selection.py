@@ -7,9 +7,9 @@ import json
 import pytest
 from _dummy_head import DummyHead, collate_with_ids, make_examples, make_target
 
+from train.checkpoint.select import BestKeeper
 from train.config import TrainerConfig
 from train.loop import train
-from train.selection import BestKeeper
 
 
 def test_best_keeper_keeps_the_best_value(tmp_path):
@@ -74,7 +74,7 @@ def test_a_damaged_best_json_is_rebuilt_from_best_head(tmp_path, caplog):
     keeper = BestKeeper(tmp_path, "eval/tau")
     assert keeper.update({"eval/tau": 2.5}, 4, FileHead())
     (tmp_path / "best.json").write_text('{"metric": "eval/ta')  # torn by a crash
-    with caplog.at_level("WARNING", logger="train.selection"):
+    with caplog.at_level("WARNING", logger="train.checkpoint.select"):
         again = BestKeeper(tmp_path, "eval/tau")
     assert again.best == 2.5
     assert json.loads((tmp_path / "best.json").read_text())["step"] == 4
@@ -82,7 +82,7 @@ def test_a_damaged_best_json_is_rebuilt_from_best_head(tmp_path, caplog):
 
 
 def test_the_pointer_is_written_after_the_folder(tmp_path, monkeypatch):
-    import train.selection as selection
+    import train.checkpoint.select as selection
 
     keeper = BestKeeper(tmp_path, "eval/tau")
     keeper.update({"eval/tau": 1.0}, 1, FileHead("one"))
@@ -106,7 +106,7 @@ def test_a_damaged_best_head_is_set_aside(tmp_path, caplog):
     keeper = BestKeeper(tmp_path, "eval/tau")
     keeper.update({"eval/tau": 2.0}, 3, FileHead())
     (tmp_path / "best_head" / "w").write_text("we")  # cut short
-    with caplog.at_level("WARNING", logger="train.selection"):
+    with caplog.at_level("WARNING", logger="train.checkpoint.select"):
         again = BestKeeper(tmp_path, "eval/tau")
     assert again.best is None and not (tmp_path / "best.json").exists()
     assert (tmp_path / "best_head.damaged" / "w").is_file()

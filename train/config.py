@@ -64,7 +64,7 @@ class TrainerConfig:
     keep_last: int = 2  # checkpoints kept; 0 keeps all
     resume: str = "auto"  # auto | never | path to a checkpoint folder
     # Resume even though optimizer, schedule, batch, seed or data settings changed since the
-    # checkpoint, applying the new values (train/resume.py lists what is checked).
+    # checkpoint, applying the new values (train/checkpoint/resume.py lists what is checked).
     allow_config_change: bool = False
     seed: int = 0
     shuffle: bool = True

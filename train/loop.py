@@ -8,16 +8,17 @@ it is training. Features come from the batch when the data carries cached target
 One step = `grad_accum` micro-batches per process, then one AdamW update. A run continues
 exactly from its latest checkpoint (weights, optimizer, scheduler, RNG and data position), so a
 killed and resumed run ends with the same weights as an uninterrupted one. Resume trusts only
-an intact checkpoint of the same run (train/resume.py). A non-finite loss or gradient stops the
-run at once (NonFiniteError), and a head holding inf/NaN is never written.
+an intact checkpoint of the same run (train/checkpoint/resume.py). A non-finite loss or
+gradient stops the run at once (NonFiniteError), and a head holding inf/NaN is never written.
 
 Under FSDP (version 2) the head's parameters are DTensor shards between steps. Checkpoints
 gather the full weights and optimizer state collectively and write them from rank 0 (so they
 hold the same full tensors as without FSDP); validation, evaluators and head saving run on a
 full copy of the head that every process gathers for the purpose (`gathered_weights`).
 
-Beside the loop: train/accelerator.py builds the Accelerator, train/checkpointing.py writes and
-resumes checkpoints, train/validation.py validates and sums the logged statistics.
+Beside the loop: train/accelerator.py builds the Accelerator, train/checkpoint/ writes and
+resumes checkpoints and keeps the best head, train/budget.py keeps to a time budget,
+train/validation.py validates and sums the logged statistics.
 """
 
 from __future__ import annotations
@@ -41,14 +42,20 @@ from data.dataset import packed_collate
 from data.errors import NonFiniteError
 from train.accelerator import make_accelerator, place_target
 from train.budget import BudgetDecision, budget_callback
-from train.checkpoint import TrainState, gathered_weights
-from train.checkpointing import RunCheckpoints, checkpoint_record
+from train.checkpoint import (
+    BestKeeper,
+    Evaluator,
+    RunCheckpoints,
+    TrainState,
+    checkpoint_record,
+    gathered_weights,
+    run_evaluators,
+)
 from train.config import TrainerConfig
 from train.features import batch_features, with_example_targets
 from train.optim import build_optimizer, build_scheduler, replan_scheduler, trainable_parameters
 from train.rundir import check_kept_head, write_run_config
 from train.sampling import count_steps, epoch_batches, make_loader, sigchld_kept
-from train.selection import BestKeeper, Evaluator, run_evaluators
 from train.tracking import Tracker
 from train.validation import StepCounts, TrainWindow, add_stats, evaluate_head
 
@@ -399,7 +406,7 @@ class Trainer:
         self._last_loss = loss
         return TrainWindow()
 
-    # ---- checkpoints (train/checkpointing.py) ---------------------------------------------
+    # ---- checkpoints (train/checkpoint/run.py) ---------------------------------------------
 
     def save_checkpoint(self) -> Path:
         """Write `checkpoints/step_<N>` from the main process; every process must call this."""

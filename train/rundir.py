@@ -4,7 +4,7 @@
     data_stats.json    the training data's size, for model cards
     metrics.jsonl      one JSON record per logged step (train/tracking.py)
     wandb_run_id       the W&B run a resumed run appends to
-    checkpoints/       step_<N>/ folders to resume from (train/checkpoint.py)
+    checkpoints/       step_<N>/ folders to resume from (train/checkpoint/folder.py)
     head/              the final head: a save_pretrained folder plus manifest.json
     best_head/         the head with the best `trainer.best_metric`, with its own best.json
     best.json          a copy of best_head/best.json: metric, value, step

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from heads.base import atomic_save_dir
+from train.checkpoint.folder import save_head_folder
 from train.rundir import (
     BEST_DIR,
     BEST_FILE,
@@ -34,7 +34,6 @@ from train.rundir import (
     manifest_problems,
     read_json,
     write_json_atomic,
-    write_manifest,
 )
 
 log = logging.getLogger(__name__)
@@ -108,12 +107,10 @@ class BestKeeper:
             return False
         record = {"metric": self.metric, "value": value, "step": step}
 
-        def write(tmp: Path) -> None:
-            head.save_pretrained(tmp)
+        def also(tmp: Path) -> None:
             write_json_atomic(tmp / BEST_FILE, record)
-            write_manifest(tmp)
 
-        atomic_save_dir(self.run_dir / BEST_DIR, write)  # the folder first, complete and synced
+        save_head_folder(head, self.run_dir / BEST_DIR, also)  # the folder first, whole and synced
         write_json_atomic(self.run_dir / BEST_FILE, record)  # then the pointer to it
         self.best = value
         return True

@@ -3,8 +3,9 @@ final head from the main process, and resuming from a checkpoint, each with the 
 every process must join.
 
 Checkpoints hold the full weights and optimizer state (gathered under FSDP) with the RNG state of
-every process, so a resumed run continues exactly; which checkpoint to trust and whether this run
-may continue it is train/resume.py's decision, the file layout train/checkpoint.py's.
+every process, so a resumed run continues exactly (state.py captures and restores it); which
+checkpoint to trust and whether this run may continue it is resume.py's decision, the file
+layout folder.py's.
 """
 
 from __future__ import annotations
@@ -16,23 +17,15 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list, gather_object
 from torch import nn
 
-from heads.base import atomic_save_dir, check_finite
-from train.checkpoint import (
+from heads.base import check_finite
+from train.checkpoint.folder import (
     TrainState,
-    capture_rng_state,
     checkpoint_root,
-    full_optimizer_state,
-    gathered_weights,
     load_checkpoint,
-    load_head_state,
-    load_optimizer_state,
-    remap_position,
-    restore_rng_state,
     save_checkpoint,
+    save_head_folder,
 )
-from train.config import TrainerConfig
-from train.optim import trainable_parameters
-from train.resume import (
+from train.checkpoint.resume import (
     apply_optimizer_settings,
     check_explicit_checkpoint,
     check_settings,
@@ -40,13 +33,24 @@ from train.resume import (
     optimizer_settings,
     run_record,
 )
-from train.rundir import HEAD_DIR, write_manifest
+from train.checkpoint.state import (
+    capture_rng_state,
+    full_optimizer_state,
+    gathered_weights,
+    load_head_state,
+    load_optimizer_state,
+    remap_position,
+    restore_rng_state,
+)
+from train.config import TrainerConfig
+from train.optim import trainable_parameters
+from train.rundir import HEAD_DIR
 
 log = logging.getLogger(__name__)
 
 
 def checkpoint_record(config: dict | None, cfg: TrainerConfig, data_sha1: str | None) -> dict:
-    """What a checkpoint records (train/resume.py), without `pack_tokens`: packing changes
+    """What a checkpoint records (resume.py), without `pack_tokens`: packing changes
     neither the data order nor the loss, so a run may resume with it switched on or off, and
     checkpoints written before the setting existed still match."""
     record = run_record(config, cfg, data_sha1)
@@ -100,7 +104,7 @@ class RunCheckpoints:
     def resume(self, global_batch: int) -> tuple[Path, TrainState] | None:
         """Load the checkpoint `cfg.resume` names ("auto": the newest intact one in run_dir, if
         any) into the head, optimizer, scheduler, scaler and RNG, after checking that this run's
-        settings still fit it (train/resume.py); returns its path and the data position, remapped
+        settings still fit it (resume.py); returns its path and the data position, remapped
         to `global_batch`, or None when there is nothing to resume."""
         found = self._choose_checkpoint()
         if found is None:
@@ -157,12 +161,7 @@ class RunCheckpoints:
         with gathered_weights(self.head) as head:
             if self.acc.is_main_process:
                 check_finite(head.state_dict(), path)
-
-                def write(tmp: Path) -> None:
-                    head.save_pretrained(tmp)
-                    write_manifest(tmp)
-
-                atomic_save_dir(path, write)
+                save_head_folder(head, path)
             self.acc.wait_for_everyone()
         return path
 

@@ -29,7 +29,7 @@ from typing import Any
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from train.checkpoint import CheckpointError, checkpoint_problems, list_checkpoints
+from train.checkpoint.folder import CheckpointError, checkpoint_problems, list_checkpoints
 from train.config import TrainerConfig
 from train.optim import set_current_lr
 from train.rundir import flatten
