@@ -1,2 +1,3 @@
-"""Inference engines draftsmith drives as separate processes (llama.cpp's `llama-server`): for
-serving and benchmarking drafts where users run them, and for fast data generation."""
+"""Inference engines draftsmith drives as separate processes (llama.cpp's `llama-server`, vLLM's
+`vllm serve`, both a server.py `ServerProcess`): for serving and benchmarking drafts where users
+run them, and for fast data generation."""

@@ -11,36 +11,29 @@ that starts llama.cpp processes.
                                   spec_type="draft-eagle3")) as server:
         out = server.complete([1, 2, 3], n_predict=64)
 
-A server that fails to start, dies, or answers with an error raises `EngineError` quoting the
-end of the server's own log (a user error: the command lines print it as one line, exit 2).
+The process itself (start, health, stop, log) is data/engines/server.py's `ServerProcess`. A
+server that fails to start, dies, or answers with an error raises `EngineError` quoting the end
+of the server's own log (a user error: the command lines print it as one line, exit 2).
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from data.errors import DraftsmithError
+from data.engines.server import EngineError, ServerProcess
 from data.paths import cache_root
 
 LLAMA_CPP_VERSION = "11434.0.0"
 SERVER_BIN = "llama-server"
 SPEC_TYPES = ("draft-eagle3", "draft-dflash", "draft-dspark", "draft-simple", "ngram-simple")
-
-
-class EngineError(DraftsmithError, RuntimeError):
-    """llama.cpp is missing, failed to start, died, or refused a request."""
 
 
 def llama_cpp_home() -> Path:
@@ -222,128 +215,35 @@ class Completion:
         return float(self.timings.get("predicted_per_second", 0.0))
 
 
-_LIVE: set[LlamaServer] = set()
-
-
-def _stop_all() -> None:
-    for server in list(_LIVE):
-        server.stop()
-
-
-atexit.register(_stop_all)
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: on Linux, ask for SIGTERM when the parent dies, so a server is
-    not left running (and holding the CPU) after its Python process is killed outright."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-
-class LlamaServer:
+class LlamaServer(ServerProcess):
     """A llama-server process on a free loopback port; a context manager. Stopped on exit,
     on Ctrl-C, and at interpreter exit; its log is kept in a temporary file and quoted in
-    errors."""
+    errors (data/engines/server.py)."""
+
+    name = "llama-server"
+    log_prefix = "llama-server-"
+    # llama-server's graceful exit waits for its open connections, and a stopped run's abandoned
+    # requests keep theirs open; on a second SIGTERM it exits at once
+    stop_plan = ((signal.SIGTERM, 1), (signal.SIGTERM, 9), (signal.SIGKILL, 10))
 
     def __init__(self, config: ServerConfig) -> None:
+        super().__init__(config.startup_timeout_s)
         self.config = config
-        self.port = 0
-        self.proc: subprocess.Popen | None = None
-        self._log_file = None
         self._log_seen = 0  # bytes of the log already returned by new_log()
 
-    # ---- lifecycle -------------------------------------------------------------------------
+    def command(self, port: int) -> list[str]:
+        return [str(server_binary()), *self.config.args(port)]
 
-    def start(self) -> LlamaServer:
-        binary = server_binary()
-        self.port = free_port()
-        self._log_file = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in stop)
-            prefix="llama-server-", suffix=".log", delete=False
-        )
-        cmd = [str(binary), *self.config.args(self.port)]
-        try:  # its own session: a terminal's Ctrl-C reaches Python, which stops it (stop())
-            self.proc = subprocess.Popen(
-                cmd,
-                stdout=self._log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
-        except OSError as e:  # not a program this machine runs (a broken or foreign build)
-            self._log_file.close()
-            raise EngineError(f"cannot run {binary}: {e.strerror}; {_setup_hint()}.") from None
-        _LIVE.add(self)
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+    def describe(self) -> str:
+        names = f"model {self.config.model}"
+        if self.config.draft:
+            names += f", draft {self.config.draft}"
+        return names
 
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise EngineError(
-                    f"llama-server exited with code {self.proc.returncode} while starting "
-                    f"({self._model_names()}); its log {self._log_file.name} ends:\n"
-                    f"{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.2)
-        raise EngineError(
-            f"llama-server was not healthy after {self.config.startup_timeout_s:.0f} s "
-            f"({self._model_names()}); its log ends:\n{self.log_tail()}"
-        )
-
-    def stop(self) -> None:
-        """Stop the server and wait until it is gone: SIGTERM to its session, a second one after
-        a second, SIGKILL after 10 s. llama-server's graceful exit waits for its open
-        connections, and a stopped run's abandoned requests keep theirs open; on a second signal
-        it exits at once."""
-        if self.proc is not None and self.proc.poll() is None:
-            for sig, wait_s in ((signal.SIGTERM, 1), (signal.SIGTERM, 9), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except ProcessLookupError:  # gone already
-                    break
-                try:
-                    self.proc.wait(timeout=wait_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    if sig == signal.SIGKILL:
-                        raise
-        _LIVE.discard(self)
-        if self._log_file is not None:
-            self._log_file.close()
-
-    def __enter__(self) -> LlamaServer:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def setup_hint(self) -> str:
+        return _setup_hint()
 
     # ---- protocol --------------------------------------------------------------------------
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log_tail(self, lines: int = 20) -> str:
-        if self._log_file is None:
-            return "(no log)"
-        text = Path(self._log_file.name).read_text(errors="replace")
-        return "\n".join(text.strip().splitlines()[-lines:])
 
     def new_log(self) -> str:
         """The log written since the last call (per-request statistics are parsed from it)."""
@@ -407,42 +307,3 @@ class LlamaServer:
             timings=doc.get("timings", {}),
             probs=doc.get("completion_probabilities") or [],
         )
-
-    def post(self, route: str, body: dict, timeout_s: float = 600) -> dict:
-        try:
-            return post_json(self.url + route, body, timeout_s)
-        except ConnectionError as e:
-            state = "died" if self.proc and self.proc.poll() is not None else "did not answer"
-            raise EngineError(
-                f"llama-server {state} on {route} ({e}); its log ends:\n{self.log_tail()}"
-            ) from None
-
-    def _model_names(self) -> str:
-        names = f"model {self.config.model}"
-        if self.config.draft:
-            names += f", draft {self.config.draft}"
-        return names
-
-
-def post_json(url: str, body: dict, timeout_s: float = 600) -> dict:
-    """POST `body` as JSON and return the JSON answer. A server that answers with an error is
-    an EngineError quoting it; one that cannot be reached raises ConnectionError (the caller
-    knows what to add: a server's log, or a hint to start it)."""
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        detail = e.read().decode(errors="replace")[:500]
-        raise EngineError(f"{url} refused the request ({e.code}): {detail}") from None
-    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-        raise ConnectionError(str(e)) from None
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -25,7 +25,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
-from data.engines.llama_cpp import EngineError, LlamaServer, ServerConfig, post_json
+from data.engines.llama_cpp import LlamaServer, ServerConfig
+from data.engines.server import EngineError, post_json
 
 BACKENDS = ("hf", "llama_cpp", "openai")
 

