@@ -13,6 +13,7 @@ from typing import Any
 
 from data.chat import template_text
 from data.dataset import DataSource
+from data.engines.vllm import VLLM_ENGINE
 from data.errors import ConfigError
 from data.features import AUTOCAST_DTYPES
 from data.paths import cache_root
@@ -44,14 +45,14 @@ class SelfDistillSettings:
     max_prompt_tokens: int = 1536
     seed: int = 0
     out: str | None = None
-    # the generation engine (see DistillConfig): hf | llama_cpp | openai, and its settings
+    # the generation engine (see DistillConfig): hf | llama_cpp | vllm | openai, and its settings
     backend: str = "hf"
     gguf: str | None = None
     server_url: str | None = None
     server_model: str | None = None
     parallel: int = 8
     threads: int = 2
-    dtype: str | None = None  # the hf backend's generation dtype (null: the target's own)
+    dtype: str | None = None  # hf's / vllm's generation dtype (null: the target's own)
 
     def __post_init__(self) -> None:
         self.prompts = [p if isinstance(p, str) else dict(p) for p in self.prompts or []]
@@ -70,7 +71,8 @@ class SelfDistillSettings:
         if self.dtype is None:  # files written before the setting existed keep their names
             del settings["dtype"]
         if self.backend != "hf":  # files written by HF keep the names they always had
-            settings |= {"backend": self.backend, "engine": self.gguf or self.server_url}
+            engine = VLLM_ENGINE if self.backend == "vllm" else self.gguf or self.server_url
+            settings |= {"backend": self.backend, "engine": engine}
         if template_sha1:
             settings["chat_template_sha1"] = template_sha1
         digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]

@@ -12,9 +12,9 @@ what resume counts on:
 
 - rows are appended one batch at a time and fsynced, so a killed run loses at most the batch in
   flight; a half-written last line is cut off on restart;
-- Ctrl-C stops at once (a server backend's answers in flight are dropped, its llama-server
-  stopped) after writing every conversation already finished, and raises `Interrupted` saying
-  how many are kept;
+- Ctrl-C stops at once (a server backend's answers in flight are dropped, the llama-server or
+  vllm serve it started is stopped) after writing every conversation already finished, and
+  raises `Interrupted` saying how many are kept;
 - a restart reads the keys already written (the output and any per-rank part files) and skips
   them, so nothing is generated twice;
 - under `accelerate launch` rank r takes every W-th item and writes `OUT.rank{r}.jsonl`; when all
@@ -47,6 +47,7 @@ from data.chat import ChatEncoder
 from data.distill_work import WorkItem, run_batch, synthesis_specs, work_items
 from data.engines.hf_generation import HFGenerator
 from data.engines.server_generation import RequestPool, ServerBackendConfig, ServerGenerator
+from data.engines.vllm import VLLM_ENGINE
 from data.errors import Interrupted
 from data.parts import append_rows, merge_parts, part_files, part_path, read_rows, repair_tail
 from data.paths import atomic_write, resolve_path, sole_writer
@@ -70,9 +71,10 @@ class DistillConfig:
     max_rows: use the first N prompts of each source (null: all).
     max_prompt_tokens: a turn whose rendered prompt is longer is not generated (see module doc).
     dtype: the hf backend generates in this dtype (float32, bfloat16, float16) on a copy of the
-        target cast once; null: the target as loaded. bfloat16 roughly doubles the rate on CPUs
-        with AMX or AVX512-BF16; its greedy answers can part from float32's at near ties, so the
-        dtype is part of the settings (a file is never continued in another dtype).
+        target cast once, the vllm backend serves the target in it; null: the target's dtype as
+        loaded. bfloat16 roughly doubles the rate on CPUs with AMX or AVX512-BF16; its greedy
+        answers can part from float32's at near ties, so the dtype is part of the settings (a
+        file is never continued in another dtype).
     """
 
     prompts: list = field(default_factory=list)
@@ -87,7 +89,8 @@ class DistillConfig:
     seed: int = 0
     # Where answers come from (data/engines/server_generation.py): "hf" (generate, batched),
     # "llama_cpp" (a llama-server on the target GGUF `gguf`, `parallel` slots, `threads`
-    # threads) or "openai" (any OpenAI-compatible server at `server_url`: vLLM, SGLang).
+    # threads), "vllm" (a `vllm serve` of the target's folder, `parallel` sequences, `threads`
+    # threads, in `dtype`) or "openai" (any OpenAI-compatible server at `server_url`).
     backend: str = "hf"
     gguf: str | None = None
     server_url: str | None = None
@@ -102,10 +105,10 @@ class DistillConfig:
                 f"distill.dtype={self.dtype!r}: use one of {', '.join(GENERATION_DTYPES)}, or "
                 "null for the target's own dtype."
             )
-        if self.dtype is not None and self.backend != "hf":
+        if self.dtype is not None and self.backend not in ("hf", "vllm"):
             raise ValueError(
-                f"distill.dtype applies to the hf backend; {self.backend!r} runs its own "
-                "engine (for llama_cpp pick the GGUF type with distill.gguf, e.g. bf16)."
+                f"distill.dtype applies to the hf backend (and vllm); {self.backend!r} runs its "
+                "own engine (for llama_cpp pick the GGUF type with distill.gguf, e.g. bf16)."
             )
         self.server = ServerBackendConfig(
             backend=self.backend,
@@ -114,6 +117,8 @@ class DistillConfig:
             model=self.server_model,
             parallel=self.parallel,
             threads=self.threads,
+            dtype=self.dtype,
+            max_model_len=self.max_prompt_tokens + self.max_new_tokens,
         )
         if self.out in ("", "???"):
             raise ValueError("distill.out is required: the conversations JSONL to write.")
@@ -144,6 +149,7 @@ class DistillConfig:
             settings["synthesize"] = synth
         if self.backend != "hf":  # another engine's kernels write other text: never mix them
             engine = Path(self.gguf).name if self.gguf else self.server_url
+            engine = VLLM_ENGINE if self.backend == "vllm" else engine  # a stray gguf: not it
             settings |= {"backend": self.backend, "engine": engine}
         if self.dtype is not None:  # likewise another dtype's rounding (absent: files keep keys)
             settings["dtype"] = self.dtype
@@ -435,7 +441,8 @@ def _make_generator(target, cfg: DistillConfig, encoder: ChatEncoder, eos: list[
     (a server starts on enter and stops on exit)."""
     if cfg.backend == "hf":
         return HFGenerator(target, cfg, encoder, eos)
-    return ServerGenerator(cfg.server, encoder, cfg.max_new_tokens, cfg.temperature, cfg.top_p, eos)
+    server = cfg.server.for_target(target.model)  # vllm: the folder the target came from
+    return ServerGenerator(server, encoder, cfg.max_new_tokens, cfg.temperature, cfg.top_p, eos)
 
 
 def _progress(total: int, enabled: bool):

@@ -1,20 +1,25 @@
-"""Self-distillation through a server: llama.cpp's `llama-server` (started and stopped here) or
-any OpenAI-compatible completions endpoint (vLLM, SGLang, a llama-server you run yourself).
+"""Self-distillation through a server: llama.cpp's `llama-server` or vLLM's `vllm serve` (each
+started and stopped here), or any OpenAI-compatible completions endpoint (vLLM, SGLang, a server
+you run yourself).
 
 draftsmith renders every prompt with the target's chat template itself and sends token ids
-(llama.cpp) or the rendered text (OpenAI-compatible `/v1/completions`), so the conversation the
-target sees is byte for byte the one the HF backend would feed; requests go out concurrently,
-one per server slot. The answers come back as token ids, cut at the first EOS, exactly like
-the HF backend's, so `data.distill` keeps its resume, sharding and refusal rules unchanged.
+(llama.cpp, vLLM) or the rendered text (OpenAI-compatible `/v1/completions`), so the
+conversation the target sees is byte for byte the one the HF backend would feed; requests go out
+concurrently, one per server slot. The answers come back as token ids (re-tokenised from their
+text for a server of yours), cut at the first EOS, exactly like the HF backend's, so
+`data.distill` keeps its resume, sharding and refusal rules unchanged. The vllm backend is the
+OpenAI-compatible client on a `vllm serve` of the target's Hugging Face folder
+(data/engines/vllm.py), asked for token ids both ways.
 
 Requests wait in daemon threads (RequestPool), never in a ThreadPoolExecutor: the interpreter
 joins an executor's threads before it exits, so a Ctrl-C would wait for every answer in flight
 (minutes, with 32 slots of long answers) before the process could end. Here an interrupted run
-stops its llama-server and exits at once; the threads' requests fail or are abandoned.
+stops its server and exits at once; the threads' requests fail or are abandoned.
 
-vLLM:    vllm serve MODEL --port 8000            -> backend: openai, server_url: http://HOST:8000
+A server of yours (backend: openai):
+vLLM:    vllm serve MODEL --port 8000            -> server_url: http://HOST:8000
 SGLang:  python -m sglang.launch_server --model-path MODEL --port 30000
-                                                 -> backend: openai, server_url: http://HOST:30000
+                                                 -> server_url: http://HOST:30000
 """
 
 from __future__ import annotations
@@ -23,18 +28,21 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from data.engines import vllm
 from data.engines.llama_cpp import LlamaServer, ServerConfig
-from data.engines.server import EngineError, post_json
+from data.engines.server import EngineError, ServerProcess, post_json
 
-BACKENDS = ("hf", "llama_cpp", "openai")
+BACKENDS = ("hf", "llama_cpp", "openai", "vllm")
 
 
 @dataclass
 class ServerBackendConfig:
     """Where answers come from. `gguf`: the target as GGUF (llama_cpp); `server_url`: an
-    OpenAI-compatible server (openai), with `model` its served model name."""
+    OpenAI-compatible server (openai), with `model` its served model name; `model_dir`: the
+    target's Hugging Face folder (vllm, filled in by `for_target`), served in `dtype` (null:
+    vLLM's float32) with room for `max_model_len` tokens a request (null: the model's own)."""
 
     backend: str = "hf"
     gguf: str | None = None
@@ -43,6 +51,9 @@ class ServerBackendConfig:
     parallel: int = 8
     threads: int = 2
     ctx_size: int = 2048
+    model_dir: str | None = None
+    dtype: str | None = None
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -54,6 +65,31 @@ class ServerBackendConfig:
             )
         if self.parallel < 1:
             raise ValueError(f"distill.parallel={self.parallel}: need at least 1 slot.")
+        if self.threads < 1:
+            raise ValueError(f"distill.threads={self.threads}: need at least 1 thread.")
+        if self.backend == "vllm":
+            vllm.vllm_python()  # no tool environment: say how to build it before anything loads
+
+    def for_target(self, model) -> ServerBackendConfig:
+        """The settings with what the vllm backend reads off the loaded target `model` (an HF
+        PreTrainedModel): the folder it was loaded from (a Hub id: its snapshot in the Hub
+        cache, the same commit), its dtype where none is set, and its context length as the
+        cap of `max_model_len`. Other backends: unchanged."""
+        if self.backend != "vllm":
+            return self
+        source = str(getattr(model, "name_or_path", "") or "")
+        if not source:
+            raise EngineError(
+                "distill.backend=vllm serves the target's Hugging Face folder, and this target "
+                "was built in memory (model.random_init): save it to a folder and load it from "
+                "there, or use backend=hf."
+            )
+        revision = getattr(model.config, "_commit_hash", None)
+        folder = self.model_dir or vllm.local_target_dir(source, revision)
+        dtype = self.dtype or str(next(model.parameters()).dtype).removeprefix("torch.")
+        own = getattr(model.config, "max_position_embeddings", None)
+        length = min(self.max_model_len, own) if self.max_model_len and own else own
+        return replace(self, model_dir=folder, dtype=dtype, max_model_len=length)
 
 
 class RequestPool:
@@ -111,7 +147,7 @@ def results(futures: Sequence[Future], tick_s: float = 1.0) -> list:
 class ServerGenerator:
     """The server counterpart of HFGenerator (data/engines/hf_generation.py): `generate(prompts,
     seed)` gives (answer ids without EOS, "eos" | "length") per prompt. A context manager:
-    llama_cpp starts its server on enter and stops it on exit."""
+    llama_cpp and vllm start their server on enter and stop it on exit."""
 
     def __init__(
         self,
@@ -127,7 +163,7 @@ class ServerGenerator:
         self.cfg, self.encoder, self.tok = cfg, encoder, encoder.tokenizer
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.eos = set(eos_ids)
-        self.server: LlamaServer | None = None
+        self.server: ServerProcess | None = None
         self.closed = False
         self._tokens_done = 0  # tokens of the answers returned so far
         self._count_lock = threading.Lock()
@@ -146,6 +182,20 @@ class ServerGenerator:
                     ctx_size=self.cfg.ctx_size,
                 )
             ).start()
+        elif self.cfg.backend == "vllm":
+            if not self.cfg.model_dir:
+                raise EngineError(
+                    "distill.backend=vllm needs the target's folder (ServerBackendConfig."
+                    "for_target fills it in)."
+                )
+            config = vllm.VllmConfig(
+                model=self.cfg.model_dir,
+                threads=self.cfg.threads,
+                dtype=self.cfg.dtype or "float32",
+                max_model_len=self.cfg.max_model_len,
+                parallel=self.cfg.parallel,
+            )
+            self.server = vllm.VllmServer(config).start()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -182,7 +232,7 @@ class ServerGenerator:
     def tokens_generated(self) -> int:
         """Tokens generated so far: those of the answers returned, plus (llama_cpp) those the
         server holds of the answers still running, for a progress display."""
-        running = self.server.tokens_in_flight() if self.server is not None else 0
+        running = self.server.tokens_in_flight() if isinstance(self.server, LlamaServer) else 0
         return self._tokens_done + running
 
     def _one(
@@ -214,23 +264,35 @@ class ServerGenerator:
     def _openai(
         self, prompt: list[int], seed: int, temperature: float, top_p: float, limit: int
     ) -> list[int]:
-        text = self.tok.decode(prompt, skip_special_tokens=False)
+        """One /v1/completions request. vllm: to the server started here, token ids both ways;
+        else the rendered prompt's text to `server_url`, the answer's text tokenised."""
         body = {
-            "prompt": text,
             "max_tokens": limit,
             "temperature": temperature,
             "top_p": top_p if temperature > 0 else 1.0,
             "seed": seed,
         }
-        if self.cfg.model:
-            body["model"] = self.cfg.model
-        url = self.cfg.server_url.rstrip("/") + "/v1/completions"
-        try:
-            doc = post_json(url, body)
-        except ConnectionError as e:
-            raise EngineError(f"{url}: request failed ({e}); is the server running?") from None
-        choice = doc["choices"][0]
-        ids = self.tok(choice.get("text", ""), add_special_tokens=False).input_ids
-        if choice.get("finish_reason") == "stop":
-            ids.append(min(self.eos))
+        if self.cfg.backend == "vllm":
+            body |= {
+                "model": vllm.SERVED_NAME,
+                "prompt": list(prompt),
+                "return_token_ids": True,
+                "skip_special_tokens": False,
+                "stop_token_ids": sorted(self.eos),  # every EOS of the target, as HF stops
+            }
+            choice = self.server.post("/v1/completions", body)["choices"][0]
+            ids = [int(t) for t in choice.get("token_ids") or []]
+        else:
+            body["prompt"] = self.tok.decode(prompt, skip_special_tokens=False)
+            if self.cfg.model:
+                body["model"] = self.cfg.model
+            url = self.cfg.server_url.rstrip("/") + "/v1/completions"
+            try:
+                doc = post_json(url, body)
+            except ConnectionError as e:
+                raise EngineError(f"{url}: request failed ({e}); is the server running?") from None
+            choice = doc["choices"][0]
+            ids = self.tok(choice.get("text", ""), add_special_tokens=False).input_ids
+        if choice.get("finish_reason") == "stop" and not (ids and ids[-1] in self.eos):
+            ids.append(min(self.eos))  # stopped at EOS without returning it
         return ids
