@@ -18,7 +18,7 @@ from data.engines import vllm
 from data.engines.llama_cpp import EngineError
 from tests.test_vllm import _need_vllm, _save_tiny_target
 
-pytestmark = pytest.mark.integration  # SmolLM2's tokenizer, from the embedded target
+pytestmark = pytest.mark.integration  # vLLM's tool environment (scripts/setup_vllm.sh)
 
 PROMPTS = [{"path": "data/corpora/oa_prompts_en/prompts.jsonl", "skip": 16, "max_rows": 4}]
 
