@@ -106,6 +106,28 @@ def test_select_keeps_the_first_n_survivors_in_candidate_order():
     assert reasons == {"too short": 1, "exact duplicate": 1}
 
 
+def test_top_k_bounds_hf_sampling_and_no_cut_files_keep_their_names(writer):
+    """top_k reaches the HF sampler (top_k 1 samples the argmax: every row alike, where no cut
+    samples rows apart), and a spec without a cut (top_k 0, as before top_k existed) keeps
+    its candidate file name."""
+    import hashlib
+
+    from data.chat import ChatEncoder
+    from data.engines.hf_generation import HFGenerator
+
+    cfg = DistillConfig(prompts=["x"], out="o.jsonl", max_new_tokens=12, batch_size=8)
+    gen = HFGenerator(writer, cfg, ChatEncoder(writer.tokenizer), [3])
+    prefix = ChatEncoder(writer.tokenizer).user_prefix([])
+    rows = {k: gen.generate([prefix] * 8, 0, temperature=1.0, top_p=1.0, top_k=k) for k in (0, 1)}
+    assert len({tuple(ids) for ids, _ in rows[1]}) == 1
+    assert len({tuple(ids) for ids, _ in rows[0]}) > 1
+    assert SynthesisSpec(synthesize=4).top_k == 0
+    old, new = SynthesisSpec(synthesize=4), SynthesisSpec(synthesize=4, top_k=50)
+    fields = {k: v for k, v in old.__dict__.items() if k not in ("top_k", "openings")}
+    legacy = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
+    assert old.digest() == legacy != new.digest()
+
+
 def test_spec_refuses_bad_settings_and_unknown_keys():
     from data.errors import ConfigError
 
@@ -281,7 +303,7 @@ def test_synthesis_through_a_stand_in_openai_server(tiny_llama, tmp_path):
         return "Sure, here it is."
 
     with openai_stand_in(answer) as (url, seen):
-        cfg = cfg_for(tmp_path, {"synthesize": 4, "top_p": 0.9}, backend="openai",
+        cfg = cfg_for(tmp_path, {"synthesize": 4, "top_p": 0.9, "top_k": 50}, backend="openai",
                       server_url=url, parallel=2)  # fmt: skip
         distill(tiny_llama, cfg, progress=False)
     rows = rows_of(cfg.out)
@@ -289,8 +311,10 @@ def test_synthesis_through_a_stand_in_openai_server(tiny_llama, tmp_path):
     assert users == sorted(q for q in questions if q not in ("ok", "how do tides work"))
     asks = [b for b in seen if b["prompt"].endswith("<|im_start|>user\n")]
     assert len(asks) == BLOCK and all(b["temperature"] == 1.0 and b["top_p"] == 0.9 for b in asks)
+    # the spec's top_k bounds the sampled turns; greedy answers send none
+    assert all(b["top_k"] == 50 for b in asks)
     answers = [b for b in seen if not b["prompt"].endswith("<|im_start|>user\n")]
-    assert len(answers) == 4 and all(b["temperature"] == 0.0 for b in answers)
+    assert len(answers) == 4 and all(b["temperature"] == 0.0 and "top_k" not in b for b in answers)
 
 
 def test_sharded_synthesis_under_accelerate_launch(tmp_path):

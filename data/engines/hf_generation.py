@@ -25,14 +25,14 @@ class HFGenerator:
         self.eos = set(eos_ids)
         pad = self.tok.pad_token_id
         self.pad = pad if pad is not None else eos_ids[0]
-        self._config = lambda temperature, top_p, max_new_tokens: GenerationConfig(
+        self._config = lambda temperature, top_p, max_new_tokens, top_k=0: GenerationConfig(
             max_new_tokens=max_new_tokens,
             min_length=0,
             num_beams=1,
             **(
                 NEUTRAL_PROCESSORS
                 | (
-                    {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+                    {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k}
                     if temperature > 0
                     else {"do_sample": False}
                 )
@@ -56,16 +56,19 @@ class HFGenerator:
         temperature: float | None = None,
         top_p: float | None = None,
         max_new_tokens: int | None = None,
+        top_k: int | None = None,
     ) -> list[tuple[list[int], str]]:
-        """(answer ids without EOS, "eos" | "length") for each prompt; temperature, top_p and
-        max_new_tokens override the answer settings (prompt synthesis samples user turns).
+        """(answer ids without EOS, "eos" | "length") for each prompt; temperature, top_p,
+        max_new_tokens and top_k (0 or None: no cut) override the answer settings (prompt
+        synthesis samples user turns).
         Prompts are generated in length-sorted groups of batch_size (little padding)."""
         config = self.config
-        if temperature is not None or top_p is not None or max_new_tokens is not None:
+        if any(v is not None for v in (temperature, top_p, max_new_tokens, top_k)):
             config = self._config(
                 self.cfg.temperature if temperature is None else temperature,
                 self.cfg.top_p if top_p is None else top_p,
                 self.cfg.max_new_tokens if max_new_tokens is None else max_new_tokens,
+                top_k or 0,
             )
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         answers: list = [None] * len(prompts)

@@ -279,7 +279,7 @@ class LlamaServer(ServerProcess):
         temperature: float = 0.0,
         seed: int | None = None,
         stop: list[str] | None = None,
-        timeout_s: float = 600,
+        timeout_s: float = 3600,  # one answer among 32 slots of a 1.5B on 2 cores: minutes
         **extra,
     ) -> Completion:
         """One /completion request (greedy by default). `prompt` is token ids (exactly what

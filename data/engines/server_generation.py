@@ -211,13 +211,17 @@ class ServerGenerator:
         temperature: float | None = None,
         top_p: float | None = None,
         max_new_tokens: int | None = None,
+        top_k: int | None = None,
     ) -> list[tuple[list[int], str]]:
         """(answer ids without EOS, "eos" | "length") per prompt; request i uses seed + i.
-        temperature / top_p / max_new_tokens override the answer settings for this call."""
+        temperature / top_p / max_new_tokens override the answer settings for this call; top_k
+        (0 or None: no cut) bounds sampling, which llama-server otherwise does over the whole
+        vocabulary, one slot after another (at a 152k vocabulary, most of a 32-slot step)."""
         sampling = (
             self.temperature if temperature is None else temperature,
             self.top_p if top_p is None else top_p,
             self.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            top_k or 0,
         )
         seeds = [(seed + i) % 2**31 for i in range(len(prompts))]
         if len(prompts) == 1:  # one turn of a streamed conversation: already in its own thread
@@ -236,14 +240,20 @@ class ServerGenerator:
         return self._tokens_done + running
 
     def _one(
-        self, prompt: list[int], seed: int, temperature: float, top_p: float, limit: int
+        self,
+        prompt: list[int],
+        seed: int,
+        temperature: float,
+        top_p: float,
+        limit: int,
+        top_k: int = 0,
     ) -> tuple[list[int], str]:
         if self.closed:
             raise EngineError("the generator was closed (the run was stopped)")
         if self.cfg.backend == "llama_cpp":
-            ids = self._llama_cpp(prompt, seed, temperature, top_p, limit)
+            ids = self._llama_cpp(prompt, seed, temperature, top_p, limit, top_k)
         else:
-            ids = self._openai(prompt, seed, temperature, top_p, limit)
+            ids = self._openai(prompt, seed, temperature, top_p, limit, top_k)
         with self._count_lock:
             self._tokens_done += len(ids)
         cut = next((j for j, t in enumerate(ids) if t in self.eos), None)
@@ -252,9 +262,15 @@ class ServerGenerator:
         return ids[:limit], "length"
 
     def _llama_cpp(
-        self, prompt: list[int], seed: int, temperature: float, top_p: float, limit: int
+        self,
+        prompt: list[int],
+        seed: int,
+        temperature: float,
+        top_p: float,
+        limit: int,
+        top_k: int = 0,
     ) -> list[int]:
-        extra = {} if temperature == 0 else {"top_p": top_p, "top_k": 0, "min_p": 0.0}
+        extra = {} if temperature == 0 else {"top_p": top_p, "top_k": top_k, "min_p": 0.0}
         done = self.server.complete(prompt, limit, temperature=temperature, seed=seed, **extra)
         ids = list(done.tokens)
         if done.stop_type == "eos" and not (ids and ids[-1] in self.eos):
@@ -262,7 +278,13 @@ class ServerGenerator:
         return ids
 
     def _openai(
-        self, prompt: list[int], seed: int, temperature: float, top_p: float, limit: int
+        self,
+        prompt: list[int],
+        seed: int,
+        temperature: float,
+        top_p: float,
+        limit: int,
+        top_k: int = 0,
     ) -> list[int]:
         """One /v1/completions request. vllm: to the server started here, token ids both ways;
         else the rendered prompt's text to `server_url`, the answer's text tokenised."""
@@ -272,6 +294,8 @@ class ServerGenerator:
             "top_p": top_p if temperature > 0 else 1.0,
             "seed": seed,
         }
+        if top_k and temperature > 0:
+            body["top_k"] = top_k  # an extension vLLM and llama-server read
         if self.cfg.backend == "vllm":
             body |= {
                 "model": vllm.SERVED_NAME,
