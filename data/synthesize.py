@@ -347,7 +347,7 @@ def synthesize(
                 len(share),
                 BLOCK,
             )
-        for block in share:
+        for n, block in enumerate(share, 1):
             first = block * BLOCK
             seed = _block_seed(base_seed, spec, block)
             openings = [spec.opening(first + j) for j in range(BLOCK)]
@@ -361,6 +361,9 @@ def synthesize(
                     for j, (t, r) in enumerate(texts)
                 ],
             )
+            passed = sum(not r for _, r in texts)
+            log.info("synthesis %s: block %d of %d written, %d of %d passed the filters",
+                     spec.name, n, len(share), passed, BLOCK)  # fmt: skip
         if barrier is not None:
             barrier()
     if barrier is not None:
