@@ -317,6 +317,7 @@ def test_synthesis_through_a_stand_in_openai_server(tiny_llama, tmp_path):
     assert len(answers) == 4 and all(b["temperature"] == 0.0 and "top_k" not in b for b in answers)
 
 
+@pytest.mark.integration
 def test_sharded_synthesis_under_accelerate_launch(tmp_path):
     """Two CPU processes: each writes its own blocks of candidates; the kept prompts and the
     conversations equal one process's (the same seed), every key once, part files merged."""
@@ -429,3 +430,5 @@ def test_synthesis_logs_where_it_stands_before_each_round_of_blocks(writer, tmp_
     rounds = [r.getMessage() for r in caplog.records if "more blocks" in r.getMessage()]
     assert rounds and rounds[0].startswith("synthesis synth: 0 of 3 prompts kept from 0 candidates")
     assert any("kept 3 of" in r.getMessage() for r in caplog.records)
+    blocks = [r.getMessage() for r in caplog.records if " written, " in r.getMessage()]
+    assert blocks and blocks[0].startswith("synthesis synth: block 1 of ")
