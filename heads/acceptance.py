@@ -12,12 +12,31 @@ would accept if decoding queried the draft there (`accepted_lengths`), it walks 
 turn as greedy chain decoding would and counts the tokens and the verification rounds. Their
 ratio is the tau a chain of that depth reaches on these turns, provided the turns are the
 target's own greedy continuations (on other text it is an estimate).
+
+A head reports these estimates from `validate` (the `Validates` Protocol), never from `loss`:
+training does not need them and should not pay for them.
 """
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 from torch import Tensor
+
+from heads.base import LossOutput
+
+
+@runtime_checkable
+class Validates(Protocol):
+    """A head whose validation measures more than training needs (EAGLE-3, DFlash, DSpark).
+
+    validate(batch, features) -> LossOutput: `loss`'s output for the batch plus estimates only
+    validation reports (`chain_stats` below); called in eval mode, without gradients.
+    train/validation.py calls it instead of `loss` for such a head.
+    """
+
+    def validate(self, batch: dict[str, Tensor], features: dict[str, Tensor]) -> LossOutput: ...
 
 
 def accepted_lengths(hits: Tensor) -> Tensor:

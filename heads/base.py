@@ -3,7 +3,7 @@
 `DraftHead` is the whole contract: what train/, eval/ and the exporters may ask of a head, the
 per-method facts included (as class attributes), so that no module outside heads/ keeps a table
 keyed by method name. `ParallelDrafter`, `FeatureDrafter` and `BlockDrafter` are the ways a head
-drafts.
+drafts. `Validates` (heads/acceptance.py) marks a head whose validation reports more.
 
 A head folder is `config.json` (the head's config dataclass plus the method name and the target
 it was trained on) and `model.safetensors`; heads/folder.py reads one back and refuses a folder
@@ -109,7 +109,7 @@ class DraftHead(Protocol):
         """HF `hidden_states` indices the head needs as "aux" features, or None."""
 
     def loss(self, batch: dict[str, Tensor], features: dict[str, Tensor]) -> LossOutput:
-        """Loss and statistics for one batch (see data/ for the batch layout)."""
+        """Loss and the statistics training logs for one batch (data/: the batch layout)."""
 
     def init_from(self, tensors: dict[str, Tensor], source: str) -> list[str]:
         """Take a saved head's tensors before training (`init_from=`); the names left as built."""

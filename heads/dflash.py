@@ -25,9 +25,9 @@ input, and no training-time test is needed. Labels are in place: slot k of the b
 predicts x_{a+k}, with weight exp(-(k-1)/gamma), against the data's token (`loss: ce`) or the
 target's distribution there (`loss: kd`).
 
-Validation (eval mode) also reports what greedy chain decoding would accept (`walk_stats`, the walk
-of heads/acceptance.py over a block at every anchor): `val/chain_tau_est`, the tau of a chain of
-max_draft_depth, and `val/slot{i}/top1_all` / `val/slot{i}/accept`.
+Validation calls `validate`: `loss`'s output plus what greedy chain decoding would accept
+(`walk_stats`, the walk of heads/acceptance.py over a block at every anchor): `val/chain_tau_est`,
+the tau of a chain of max_draft_depth, and `val/slot{i}/top1_all` / `val/slot{i}/accept`.
 
 Drafting (eval/block_proposer.py) keeps, per draft layer, the keys/values of the committed context
 (`new_cache`, `extend_cache`); a step appends the positions the target just committed and runs the
@@ -459,9 +459,16 @@ class DFlashHead(HeadFolderMixin, nn.Module):
             total = total + (per_slot * weights).sum() / weights.sum().clamp(min=1e-12)
         stats = slot_stats(per_slot, logits, want, ok, self.config.topk, first_slot=1)
         stats["loss"] = stat_pair(total.detach(), 1, device)
-        if not self.training:  # validation only: a block at every anchor
-            stats.update(self.walk_stats(batch, features))
         return LossOutput(total, stats)
+
+    @torch.no_grad()
+    def validate(self, batch: dict[str, Tensor], features: dict[str, Tensor]) -> LossOutput:
+        """`loss`'s output plus `walk_stats` (a block at every anchor); call it in eval mode."""
+        device = self.fc.weight.device
+        batch = {k: v.to(device) for k, v in batch.items()}
+        out = self.loss(batch, features)
+        out.stats.update(self.walk_stats(batch, features))
+        return out
 
     # ---- checkpoints ---------------------------------------------------------------------
 

@@ -24,9 +24,9 @@ weighs exp(-k / gamma) (or D-PACE weights from the CE), and the sum is divided b
 weights. Only the contiguous run of labelled slots from the anchor counts: a chain cannot step over
 a token that is not a label.
 
-Validation reports `tau_estimate` (each block's 1 + sum_k prod_{j<=k} (1 - TV_j): what speculative
-sampling at temperature 1 would accept, not greedy decoding) and, as DFlash, `chain_tau_est`: the
-tau greedy chain decoding measures on the target's own greedy text
+`loss` reports `tau_estimate` (each block's 1 + sum_k prod_{j<=k} (1 - TV_j): what speculative
+sampling at temperature 1 would accept, not greedy decoding); validation (`validate`, as DFlash's)
+adds `chain_tau_est`: the tau greedy chain decoding measures on the target's own greedy text
 (docs/reports/2026-12-03-dspark-gap/README.md).
 
 Drafting (eval/engine/block_proposer.py) goes through `draft_chain`: one backbone forward, then the
@@ -344,8 +344,6 @@ class DSparkHead(DFlashHead):
         stats = slot_stats(per_slot, logits, want, ok, cfg.topk, first_slot=1)  # by depth
         stats.update(_term_stats(terms, ok, device))
         stats["loss"] = stat_pair(total.detach(), 1, device)
-        if not self.training:  # validation only: a block at every anchor
-            stats.update(self.walk_stats(batch, features))
         return LossOutput(total, stats)
 
 

@@ -39,9 +39,10 @@ pick. That needs the target's greedy token over its whole vocabulary: computed o
 from its cached features (`example_targets`) and kept for later epochs, or per batch with online
 features. `mask_outside_vocab=False` keeps those positions and needs no full-vocabulary projection.
 
-Validation (eval mode) also reports what a chain of `ttt_steps` tokens would be worth when
-decoding (heads/acceptance.py): `step{i}/top1_all` (tokens outside the draft vocab count as
-misses), `step{i}/accept` (conditional on the earlier steps being right) and `chain_tau_est`.
+`validate` (validation's call, in eval mode) runs the same unroll and also reports what a chain
+of `ttt_steps` tokens would be worth when decoding (heads/acceptance.py): `step{i}/top1_all`
+(tokens outside the draft vocab count as misses), `step{i}/accept` (conditional on the earlier
+steps being right) and `chain_tau_est`; `loss` leaves them out.
 """
 
 from __future__ import annotations
@@ -315,6 +316,28 @@ class Eagle3Head(HeadFolderMixin, nn.Module):
         Packed rows (`segment_ids` in the batch): the step-0 prefix a row sees, its positions
         and its labels all stay inside its own conversation (heads/base.py `label_mask`).
         """
+        return self._unroll(batch, features)[0]
+
+    @torch.no_grad()
+    def validate(self, batch: dict[str, Tensor], features: dict[str, Tensor]) -> LossOutput:
+        """`loss`'s output plus the chain estimates of heads/acceptance.py (`chain_stats`):
+        each unrolled step's top-1 against the target's greedy token over its whole vocabulary.
+        Call it in eval mode (no feature noise, no dropout)."""
+        labelled = label_mask(batch, 1)
+        greedy = self.greedy_tokens(features["hidden"], labelled, batch.get("target_argmax"))
+        out, chain = self._unroll(batch, features, greedy)
+        hits, labels = (torch.stack(x) for x in zip(*chain))  # (S, B, T) each
+        mask, horizon = batch["loss_mask"], self.config.estimate_horizon
+        found = chain_stats(hits, labels, mask, batch.get("segment_ids"), horizon)
+        device = self.fc.weight.device
+        out.stats.update({key: stat_pair(s, c, device) for key, (s, c) in found.items()})
+        return out
+
+    def _unroll(
+        self, batch: dict[str, Tensor], features: dict[str, Tensor], greedy: Tensor | None = None
+    ) -> tuple[LossOutput, list[tuple[Tensor, Tensor]]]:
+        """`loss`'s unroll; with `greedy` (B, T), the target's greedy tokens (`greedy_tokens`),
+        also each step's `chain_hits` (hits, labels), for `validate`."""
         ids = batch["input_ids"]
         B, T = ids.shape
         device = self.fc.weight.device
@@ -332,8 +355,6 @@ class Eagle3Head(HeadFolderMixin, nn.Module):
         # row t at step i lies on a drafted chain a greedy verifier would still be following:
         # steps 0..i-1 of row t all predicted the target's top-1
         on_chain = torch.ones(B, T, dtype=torch.bool, device=device)
-        # validation only: what a chain would be accepted for (heads/acceptance.py)
-        greedy = None if self.training else self.greedy_tokens(features["hidden"], labelled, argmax)
         chain: list[tuple[Tensor, Tensor]] = []
         for i in range(self.config.ttt_steps):
             tokens = shift_left(ids, i + 1)  # row t: x_{t+i+1}
@@ -368,12 +389,7 @@ class Eagle3Head(HeadFolderMixin, nn.Module):
         stats["head0/top1"] = stats["step0/top1"]
         stats[f"head0/top{k}"] = stats[f"step0/top{k}"]
         stats["loss"] = stat_pair(total.detach(), 1, device)
-        if chain:
-            hits, labels = (torch.stack(x) for x in zip(*chain))
-            mask, horizon = batch["loss_mask"], self.config.estimate_horizon
-            found = chain_stats(hits, labels, mask, segments, horizon)
-            stats.update({key: stat_pair(s, c, device) for key, (s, c) in found.items()})
-        return LossOutput(total, stats)
+        return LossOutput(total, stats), chain
 
     def _topk_term(self, want: Tensor, logp: Tensor) -> Tensor:
         """HASS's top-K distillation term (Zhang et al., 2024, "Learning Harmonized

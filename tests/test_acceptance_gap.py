@@ -121,6 +121,11 @@ def fitted():
     return target, head.eval(), examples
 
 
+def _means(out) -> dict[str, float]:
+    """A LossOutput's stats as sum / count (stats that counted nothing left out)."""
+    return {k: float(s / c) for k, (s, c) in out.stats.items() if c > 0}
+
+
 def _prompts():
     return [torch.tensor([p]) for p in PROMPTS]
 
@@ -197,12 +202,12 @@ def test_walk_on_greedy_answers_is_the_measured_tau(fitted):
 
 @torch.no_grad()
 def test_validation_chain_stats_equal_the_analysis(fitted):
-    """Eagle3Head.loss in eval mode reports top-1 over all positions, conditional acceptance
-    and the walk; they equal the analysis's (in-vocab top-1 equals the loss's step top-1)."""
+    """Eagle3Head.validate reports top-1 over all positions, conditional acceptance and the
+    walk; they equal the analysis's (in-vocab top-1 equals the loss's step top-1)."""
     target, head, examples = fitted
     batch = collate(examples)
     feats = target.features(batch["input_ids"], batch["attention_mask"], head.feature_layers())
-    stats = {k: float(s / c) for k, (s, c) in head.loss(batch, feats).stats.items() if c > 0}
+    stats = _means(head.validate(batch, feats))
     seqs = [teacher_forced(head, target, e["input_ids"], e["loss_mask"], 3) for e in examples]
     want = summarize(seqs)
     assert 0 < want["outside_vocab"][0] < 0.5 and want["top1_all"][0] > 0.3
@@ -212,11 +217,45 @@ def test_validation_chain_stats_equal_the_analysis(fitted):
         assert stats[f"step{i}/accept"] == pytest.approx(want["accept"][i])
     assert stats["chain_tau_est"] == pytest.approx(want["tau_walk"])
     assert want["tau_walk"] < want["tau_in_vocab"]
+
+
+@torch.no_grad()
+def test_the_training_loss_leaves_the_estimates_to_validate(fitted):
+    """`loss` returns the loss and the stats training logs, in train and eval mode alike;
+    `validate` returns the same loss and stats plus the chain estimates."""
+    target, head, examples = fitted
+    batch = collate(examples)
+    feats = target.features(batch["input_ids"], batch["attention_mask"], head.feature_layers())
+    estimates = {"chain_tau_est", "step0/top1_all", "step2/accept"}
+    validated = head.validate(batch, feats)
+    assert estimates <= set(validated.stats)
+    trained = head.loss(batch, feats)  # eval mode: the same unroll, no noise, no dropout
+    assert not estimates & set(trained.stats)
+    assert torch.equal(trained.loss, validated.loss)
+    for key, value in trained.stats.items():
+        assert torch.equal(value, validated.stats[key]), key
     head.train()
     try:
-        assert "chain_tau_est" not in head.loss(batch, feats).stats  # validation only
+        assert not estimates & set(head.loss(batch, feats).stats)
     finally:
         head.eval()
+
+
+def test_trainer_validation_calls_validate(fitted):
+    """train/validation.py's evaluate_head reports a `Validates` head's estimates: val/chain_tau_est
+    is the analysis's walk."""
+    from accelerate import Accelerator
+
+    from train.validation import evaluate_head
+
+    target, head, examples = fitted
+    acc = Accelerator(cpu=True)
+    metrics, _ = evaluate_head(
+        acc, head, examples, collate, target=target, layers=head.feature_layers(), batch_size=2
+    )
+    seqs = [teacher_forced(head, target, e["input_ids"], e["loss_mask"], 3) for e in examples]
+    assert metrics["val/chain_tau_est"] == pytest.approx(summarize(seqs)["tau_walk"])
+    assert "val/step0/loss" in metrics and not head.training
 
 
 def test_horizon_walk_keeps_each_turns_first_tokens():
@@ -242,14 +281,14 @@ def test_horizon_estimate_is_the_tau_of_a_shorter_benchmark(fitted):
     kept = head.config.estimate_horizon
     try:
         head.config.estimate_horizon = horizon
-        stats = {k: float(s / c) for k, (s, c) in head.loss(batch, feats).stats.items() if c > 0}
+        stats = _means(head.validate(batch, feats))
         # equal up to the float32 of the stat's sums (integer tokens over integer rounds)
         assert stats["chain_tau_est_horizon"] == pytest.approx(decoded["tau"], abs=1e-6)
         head.config.estimate_horizon = 40  # the whole answers: the plain estimate
-        stats = {k: float(s / c) for k, (s, c) in head.loss(batch, feats).stats.items() if c > 0}
+        stats = _means(head.validate(batch, feats))
         assert stats["chain_tau_est_horizon"] == pytest.approx(stats["chain_tau_est"])
         head.config.estimate_horizon = None
-        assert "chain_tau_est_horizon" not in head.loss(batch, feats).stats
+        assert "chain_tau_est_horizon" not in head.validate(batch, feats).stats
     finally:
         head.config.estimate_horizon = kept
 
@@ -286,7 +325,7 @@ def test_analyse_splits_the_gap(fitted):
     # the fitted examples are the target's own greedy answers: regenerating changes nothing
     first, greedy = (s for s in steps if s[0].startswith(("    first", "(e)")))
     assert greedy[1] == pytest.approx(first[1]) and greedy[2] == pytest.approx(0.0)
-    # what the trainer logs (head.loss) is the analysis's walk
+    # what the trainer logs (head.validate) is the analysis's walk
     walk = result["validation"]["tau_walk"]
     assert result["validation_trainer"]["val/chain_tau_est"] == pytest.approx(walk)
     table = markdown(result)

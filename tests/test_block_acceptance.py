@@ -102,7 +102,7 @@ def validation(head, target, batch) -> dict[str, tuple[float, float]]:
     else:
         feats = target.features(batch["input_ids"], batch["attention_mask"], head.feature_layers())
     with torch.no_grad():
-        stats = head.loss(batch, feats).stats
+        stats = head.validate(batch, feats).stats
     return {k: (float(s), float(c)) for k, (s, c) in stats.items()}
 
 
@@ -175,14 +175,25 @@ def test_the_gap_analysis_takes_a_block_drafter(answered):
         teacher_forced(head, target, *turns[0].sequence(), depth=5)
 
 
-def test_the_walk_is_validation_only(answered):
+@pytest.mark.parametrize("method", ["dspark", "dflash"])
+def test_the_walk_is_validation_only(answered, method):
+    """`loss` never walks, in train or eval mode; `validate` is `loss` plus the walk."""
     target, examples = answered
-    head = fitted(target, examples, "dspark", 24, steps=0).train()
+    head = fitted(target, examples, method, 24, steps=0).train()
     batch = collate(examples)
     feats = target.features(batch["input_ids"], batch["attention_mask"], head.feature_layers())
-    assert "chain_tau_est" not in head.loss(batch, feats).stats
+    walked = {"chain_tau_est", "slot1/top1_all", "slot1/accept"}
+    assert not walked & set(head.loss(batch, feats).stats)
     head.eval()
-    assert "chain_tau_est" in head.loss(batch, feats).stats
+    with torch.no_grad():
+        torch.manual_seed(3)  # the same anchors for both calls
+        trained = head.loss(batch, feats)
+        torch.manual_seed(3)
+        validated = head.validate(batch, feats)
+    assert not walked & set(trained.stats) and walked <= set(validated.stats)
+    assert torch.equal(trained.loss, validated.loss)
+    for key, value in trained.stats.items():
+        assert torch.equal(value, validated.stats[key]), key
 
 
 def test_every_anchor_is_every_position_anchors_are_drawn_from(answered):

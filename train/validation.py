@@ -15,6 +15,7 @@ from accelerate.utils import gather_object
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
+from heads.acceptance import Validates
 from train.features import batch_features
 from train.sampling import eval_batches, make_loader
 
@@ -52,7 +53,8 @@ def evaluate_head(
     num_workers: int = 0,
     seed: int = 0,
 ) -> tuple[dict[str, float], dict[str, list[float]]]:
-    """Run `head.loss` over the whole of `dataset`, each process on its own share.
+    """Run `head.validate` (a `Validates` head) or else `head.loss` over the whole of `dataset`,
+    each process on its own share.
 
     Returns ({"val/<stat>": sum / count}, {"<stat>": [sum, count]}), the sums taken over every
     batch and every process, so each example counts once whatever the number of processes.
@@ -61,11 +63,12 @@ def evaluate_head(
     loader = make_loader(dataset, batches, collate_fn, num_workers, seed)
     was_training = head.training
     head.eval()
+    measure = head.validate if isinstance(head, Validates) else head.loss
     sums: dict[str, Tensor] = {}
     for batch in loader:
         batch = {k: v.to(acc.device) if isinstance(v, Tensor) else v for k, v in batch.items()}
         with acc.autocast():
-            out = head.loss(batch, batch_features(batch, target, layers, head))
+            out = measure(batch, batch_features(batch, target, layers, head))
         add_stats(sums, out.stats)
     head.train(was_training)
     totals = reduce_stats(acc, sums)

@@ -34,7 +34,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from heads.acceptance import accepted_lengths, chain_tau, chain_walk, label_runs, walk_rows
+from heads.acceptance import (
+    Validates,
+    accepted_lengths,
+    chain_tau,
+    chain_walk,
+    label_runs,
+    walk_rows,
+)
 from heads.base import batch_positions, label_mask, masked_shift
 from heads.draft_layer import DraftCache
 from heads.eagle3 import ttt_attention_mask
@@ -208,13 +215,14 @@ def loss_metrics(
     head, target, examples: list[dict], feature_dtype: torch.dtype = torch.float16,
     autocast: torch.dtype | None = None,
 ) -> dict:  # fmt: skip
-    """val/<stat> as the trainer computes them: head.loss in eval mode, one conversation a
-    batch, target features rounded to the feature cache's dtype, the step under the run's
-    autocast (None: fp32)."""
+    """val/<stat> as the trainer computes them: head.validate (head.loss for a head without
+    one) in eval mode, one conversation a batch, target features rounded to the feature
+    cache's dtype, the step under the run's autocast (None: fp32)."""
     from data.dataset import collate
 
     sums: dict[str, Tensor] = {}
     head.eval()
+    measure = head.validate if isinstance(head, Validates) else head.loss
     for example in examples:
         ids = example["input_ids"][None]
         feats = target.features(ids, torch.ones_like(ids), layers=head.feature_layers())
@@ -224,7 +232,7 @@ def loss_metrics(
             derived = head.example_targets({**example, "hidden": feats["hidden"][0]})
         batch = collate([{**example, **derived}])
         with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-            stats = head.loss(batch, feats).stats
+            stats = measure(batch, feats).stats
         for key, value in stats.items():
             sums[key] = sums.get(key, 0) + value.detach().double()
     return {f"val/{k}": float(s / c) for k, (s, c) in sums.items() if c > 0}
