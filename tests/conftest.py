@@ -6,6 +6,7 @@ Everything is built in-process with fixed seeds: no downloads, seconds to run.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,6 +73,79 @@ def make_qwen2(seed: int = 0, hidden: int = 64, layers: int = 2, vocab: int = TI
         attn_implementation="sdpa",
     )
     return Qwen2ForCausalLM(cfg).eval()
+
+
+def save_tiny_hf_model(
+    folder: Path, family: str = "llama", *, layers: int = 2, std: float | None = None, **config
+) -> Path:
+    """A random model of `family` (hidden 64, seed 0) with SmolLM2's tokenizer (the embedded
+    target's, so llama.cpp's converter knows its pre-tokenizer), both saved to `folder` as a
+    Hugging Face folder. `std`: redraw every weight matrix from N(0, std), so greedy answers vary
+    with the context instead of repeating one token; `config`: more HF config keys, or others."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from heads.target import TargetConfig, load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2_135m", TargetConfig(name_or_path="smollm2_135m"))
+    settings = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        **config,
+    }
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **settings)).eval()
+    if std is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim == 2:
+                    p.normal_(0.0, std)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return Path(folder)
+
+
+def train_tiny_draft(
+    experiment: str, target_dir: Path, answers: Path, run_dir: Path, steps: int, head: list[str]
+):
+    """(config, train.run's result): `experiment` on the saved target in `target_dir`, trained
+    `steps` steps (lr 3e-3, seed 0) on the target's own greedy answers to 32 prompts (written once
+    to `answers`, then reused), features in memory, no validation, checkpoints or logging.
+    `head`: the head's overrides."""
+    from hydra import compose, initialize_config_dir
+
+    from train.run import run
+
+    overrides = [
+        f"+experiment={experiment}",
+        f"model.name_or_path={target_dir}",
+        "model.random_init=null",
+        "model.tokenizer=null",
+        *head,
+        "data.sources=[]",
+        "+data.self_distill={enabled: true, prompts: [{path: data/corpora/oa_prompts_en/"
+        "prompts.jsonl, skip: 16, max_rows: 32}], max_new_tokens: 48, batch_size: 8, "
+        f"out: {answers}}}",
+        "data.features=memory",
+        f"trainer.max_steps={steps}",
+        "trainer.lr=3e-3",
+        "trainer.eval_every=0",
+        "trainer.save_every=0",
+        "evaluators=[]",
+        "trainer.best_metric=null",
+        "logger.mode=disabled",
+    ]
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    torch.manual_seed(0)
+    return cfg, run(cfg, run_dir=run_dir)
 
 
 def fit(head, batch, feats, optimizer, steps: int = 15):

@@ -458,6 +458,7 @@ def test_a_medusa2_head_runs_alone_on_its_adapted_target(tmp_path):
         run(both)
 
 
+@pytest.mark.integration
 def test_rows_are_kept_when_a_run_stops_early_and_the_report_rebuilds(tiny_llama, tmp_path):
     import subprocess
     import sys
@@ -497,6 +498,7 @@ def test_rows_are_kept_when_a_run_stops_early_and_the_report_rebuilds(tiny_llama
     assert (out / "report.md").is_file()
 
 
+@pytest.mark.integration
 def test_evaluate_logs_metrics_report_and_plots_to_wandb_offline(tmp_path, monkeypatch):
     from PIL import Image
 

@@ -184,6 +184,7 @@ def test_rng_state_round_trip(tmp_path):
     assert (random.random(), np.random.rand(), torch.rand(1)) == draws
 
 
+@pytest.mark.integration
 def test_killed_process_resumes_to_the_same_weights(target, tmp_path):
     """A real crash: a subprocess dies (os._exit) while writing the step-4 checkpoint."""
     args = ["--max-steps", "6", "--save-every", "2", "--grad-accum", "2", "--dropout", "0.1"]

@@ -25,6 +25,7 @@ def train_cli(tmp_path, *overrides, **env):
     )
 
 
+@pytest.mark.integration
 def test_a_bad_setting_prints_one_line_and_fails(tmp_path):
     proc = train_cli(tmp_path, "trainer.lr=-1")
     assert proc.returncode == EXIT_USER_ERROR
@@ -34,6 +35,7 @@ def test_a_bad_setting_prints_one_line_and_fails(tmp_path):
     assert not (tmp_path / "head").exists()
 
 
+@pytest.mark.integration
 def test_hydra_full_error_shows_the_traceback(tmp_path):
     proc = train_cli(tmp_path, "trainer.lr=-1", HYDRA_FULL_ERROR="1")
     assert proc.returncode != 0

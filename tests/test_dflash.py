@@ -505,6 +505,7 @@ def test_dflash_trains_in_every_feature_mode(features, tmp_path):
     assert type(heads.from_pretrained(tmp_path / "head", target)) is DFlashHead
 
 
+@pytest.mark.integration
 def test_dflash_under_accelerate_launch(tmp_path):
     """train.py with a DFlash head on 2 CPU processes (gloo): anchors are drawn per rank, the
     gathered validation and the one written head come out."""

@@ -222,6 +222,7 @@ def test_repair_tail(tmp_path):
     assert repair_tail(path) == 0
 
 
+@pytest.mark.integration
 def test_accelerate_launch_two_processes_then_resume(tmp_path):
     """scripts/self_distill.py under `accelerate launch` with 2 CPU processes (tiny random Llama
     with SmolLM2's tokenizer): every prompt once, parts merged; a rerun finds nothing to do."""

@@ -106,6 +106,7 @@ def evaluate_cli(tmp_path, *args):
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "experiment, override, fix",
     [

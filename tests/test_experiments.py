@@ -85,7 +85,11 @@ def test_experiments_exist():
     assert {"medusa_llama", "medusa_tiny"} <= set(EXPERIMENTS)
 
 
-@pytest.mark.parametrize("name", EXPERIMENTS)
+@pytest.mark.parametrize(
+    "name",
+    # the *_llama recipes load the real SmolLM2 and self-distil through llama-server
+    [pytest.param(n, marks=pytest.mark.integration) if "_llama" in n else n for n in EXPERIMENTS],
+)
 def test_experiment_runs_two_steps_saves_and_resumes(name, tmp_path, shared_answers):
     cfg = _compose(name, [], tmp_path, shared_answers)
     result = run(cfg, run_dir=tmp_path)

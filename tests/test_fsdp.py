@@ -16,11 +16,13 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests._dummy_head import HIDDEN, VOCAB
 from tests.test_multiprocess import REPO, SCRIPT, free_port
 
+pytestmark = pytest.mark.integration  # two launches of two processes each
 ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
        "PYTHONPATH": str(REPO)}  # fmt: skip
 

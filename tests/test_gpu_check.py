@@ -92,6 +92,7 @@ def test_check_bench_allows_near_ties_only(tmp_path):
     assert not missing["ok"] and missing["problems"] == ["no 'head' method in summary.json"]
 
 
+@pytest.mark.integration
 def test_summary_tables_every_step_and_the_script_exits_on_failures(tmp_path):
     res = tmp_path / "res"
     res.mkdir()

@@ -146,6 +146,7 @@ def _interrupt(proc: subprocess.Popen, tmp_path: Path, whole_group: bool) -> tup
     return seconds, stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.integration
 def test_ctrl_c_stops_self_distillation_and_its_server_and_a_rerun_continues(tmp_path):
     """SIGINT to the process group of scripts/self_distill.py while two slots generate: the
     run and its server are gone within seconds, exit status 130, one line says how many
@@ -168,6 +169,7 @@ def test_ctrl_c_stops_self_distillation_and_its_server_and_a_rerun_continues(tmp
     assert out.read_bytes().startswith(first) and len(ids) == len(set(ids)) == 12
 
 
+@pytest.mark.integration
 def test_ctrl_c_to_train_py_alone_stops_it_and_its_server_and_shows_tokens(tmp_path):
     """SIGINT to train.py's process alone while its self-distillation waits on long answers
     (3.2 s each): the bar has shown tokens generated before any conversation finished, and the
@@ -183,6 +185,7 @@ def test_ctrl_c_to_train_py_alone_stops_it_and_its_server_and_shows_tokens(tmp_p
     assert not (tmp_path / "run" / "head").exists()
 
 
+@pytest.mark.integration
 def test_a_broken_server_binary_is_one_line_and_exit_status_2(tmp_path):
     """A llama-server that exits at once: train.py prints exactly one line, the server's own
     words in it, and exits with status 2."""

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from data.engines import llama_cpp
 from data.engines.llama_cpp import EngineError, LlamaServer, ServerConfig
 from eval.bench.harness import top2_gaps
 from eval.engine.generator import first_difference
 from tests._stand_in_server import openai_stand_in
+from tests.conftest import save_tiny_hf_model, train_tiny_draft
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 PROMPTS = [
@@ -54,6 +54,7 @@ def test_missing_binary_names_the_fix(monkeypatch, tmp_path):
         llama_cpp.server_binary()
 
 
+@pytest.mark.integration
 def test_the_build_leaves_out_the_amx_backend():
     """setup_llama_cpp.sh builds without ggml's AMX backend, whose matmul segfaults on Q4_0 and
     Q4_1 weights on CPUs with AMX (llama.cpp issue 20824): the server carries none of its code,
@@ -145,6 +146,7 @@ def test_a_target_gguf_setting_names_the_own_file_a_conversion_or_a_path(tmp_pat
             assert gguf_for_target(embedded, TargetGGUF.parse(q)) == Path(f"/cache/{q}.gguf")
 
 
+@pytest.mark.integration
 def test_unloadable_model_quotes_the_server_log(tmp_path):
     _need_server()
     bad = tmp_path / "broken.gguf"
@@ -165,32 +167,7 @@ def _save_tiny_target(folder: Path, family: str = "llama") -> None:
     """A random 8-layer Llama (or Qwen2, whose llama.cpp graph needed the EAGLE-3 hook the
     set-up adds) with SmolLM2's tokenizer, weights drawn wide enough (std 0.1) that its greedy
     answers vary with the context instead of repeating one token."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from heads.target import TargetConfig, load_tokenizer
-
-    tokenizer = load_tokenizer("smollm2_135m", TargetConfig(name_or_path="tiny"))
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(
-        family,
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.normal_(0.0, 0.1)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    save_tiny_hf_model(folder, family, layers=8, std=0.1, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
@@ -229,35 +206,13 @@ def _eagle3_setup(root: Path, family: str):
     import heads
     from heads.interop.gguf import export_gguf, target_gguf
     from heads.target import load_target
-    from train.run import run
 
     target_dir = root / "target"
     _save_tiny_target(target_dir, family)
-    overrides = [
-        "+experiment=eagle3_tiny",
-        f"model.name_or_path={target_dir}",
-        "model.random_init=null",
-        "model.tokenizer=null",
-        f"head.aux_layers={AUX}",
-        "head.draft_vocab_size=null",
-        "head.ttt_steps=2",
-        "data.sources=[]",
-        "+data.self_distill={enabled: true, prompts: [{path: data/corpora/oa_prompts_en/"
-        "prompts.jsonl, skip: 16, max_rows: 32}], max_new_tokens: 48, batch_size: 8, "
-        f"out: {root}/sd.jsonl}}",
-        "data.features=memory",
-        "trainer.max_steps=100",
-        "trainer.lr=3e-3",
-        "trainer.eval_every=0",
-        "trainer.save_every=0",
-        "evaluators=[]",
-        "trainer.best_metric=null",
-        "logger.mode=disabled",
-    ]
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
-    torch.manual_seed(0)
-    result = run(cfg, run_dir=root / "run")
+    options = [f"head.aux_layers={AUX}", "head.draft_vocab_size=null", "head.ttt_steps=2"]
+    cfg, result = train_tiny_draft(
+        "eagle3_tiny", target_dir, root / "sd.jsonl", root / "run", steps=100, head=options
+    )
     target = load_target(instantiate(cfg.model))
     head = heads.from_pretrained(result.head_dir, target)
     target_file = target_gguf(target_dir, root / "target-f32.gguf", "f32")
@@ -302,6 +257,7 @@ def _engine_runs(cfg: ServerConfig, prompts: list[list[int]]):
         return [server.complete(ids, NEW_TOKENS) for ids in prompts]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("setup", ["tiny_setup", "qwen2_setup"])
 def test_llama_cpp_speculative_equals_plain_and_acceptance_matches(setup, request):
     target, head, _, target_file, draft_file = request.getfixturevalue(setup)
@@ -350,6 +306,7 @@ def test_llama_cpp_speculative_equals_plain_and_acceptance_matches(setup, reques
     )
 
 
+@pytest.mark.integration
 def test_server_stops_on_exception(tiny_setup):
     _, _, _, target_file, _ = tiny_setup
     server = LlamaServer(ServerConfig(model=str(target_file)))
@@ -361,6 +318,7 @@ def test_server_stops_on_exception(tiny_setup):
         server.post("/health", {}, timeout_s=2)
 
 
+@pytest.mark.integration
 def test_server_dies_with_a_killed_parent(tiny_setup, tmp_path):
     """A Python process killed outright (SIGKILL: no atexit, no finally) takes its llama-server
     with it instead of leaving it holding the CPU."""
@@ -406,6 +364,7 @@ def _distill_cfg(out, rows: int, **engine):
     return DistillConfig(prompts=prompts, out=str(out), max_new_tokens=16, batch_size=3, **engine)
 
 
+@pytest.mark.integration
 def test_llama_cpp_distillation_resumes_without_duplicates(tiny_setup, tmp_path, monkeypatch):
     import data.distill as distill_mod
     from data.distill import distill
@@ -442,6 +401,7 @@ def test_llama_cpp_distillation_resumes_without_duplicates(tiny_setup, tmp_path,
     assert same >= 4, f"only {same} of 6 llama.cpp answers equal HF's"
 
 
+@pytest.mark.integration
 def test_prompt_synthesis_through_llama_server_is_seeded(tiny_setup, tmp_path):
     """Synthesis candidates sampled in llama-server (temperature 1, one seed per request): the
     same seeds write the same text, and the filters judge it (this random tiny target never ends
@@ -466,6 +426,7 @@ def test_prompt_synthesis_through_llama_server_is_seeded(tiny_setup, tmp_path):
     assert texts[0] == texts[1] and len(set(texts[0])) > 16
 
 
+@pytest.mark.integration
 def test_distillation_refuses_mixing_backends(tiny_setup, tmp_path):
     from data.distill import distill
 
@@ -559,6 +520,7 @@ def test_best_draft_length_trades_acceptance_for_verify_cost():
     assert k == 0
 
 
+@pytest.mark.integration
 def test_benchmark_runs_llama_cpp_methods_beside_hf(tiny_setup, tmp_path):
     from eval.bench.harness import BenchConfig, BenchRun, run_benchmark
     from eval.bench.llama_cpp import LlamaCppSettings, build_llama_cpp_methods
@@ -612,6 +574,7 @@ def test_benchmark_runs_llama_cpp_methods_beside_hf(tiny_setup, tmp_path):
     assert f"GGUF type {fastest['type']}" in report
 
 
+@pytest.mark.integration
 def test_gguf_export_of_a_run_is_proved_in_llama_cpp(tiny_setup, tmp_path):
     import importlib.util
 
@@ -649,36 +612,14 @@ def _tiny_block_draft(root: Path, experiment: str, head_overrides: list[str]):
     import heads
     from heads.interop.gguf import export_gguf, target_gguf
     from heads.target import load_target
-    from train.run import run
 
     target_dir = root / "target"
     _save_tiny_target(target_dir)
-    overrides = [
-        f"+experiment={experiment}",
-        f"model.name_or_path={target_dir}",
-        "model.random_init=null",
-        "model.tokenizer=null",
-        "head.num_layers=2",
-        "head.num_anchors=32",
-        f"head.target_layer_ids={DFLASH_IDS}",
-        *head_overrides,
-        "data.sources=[]",
-        "+data.self_distill={enabled: true, prompts: [{path: data/corpora/oa_prompts_en/"
-        "prompts.jsonl, skip: 16, max_rows: 32}], max_new_tokens: 48, batch_size: 8, "
-        f"out: {root}/sd.jsonl}}",
-        "data.features=memory",
-        "trainer.max_steps=80",
-        "trainer.lr=3e-3",
-        "trainer.eval_every=0",
-        "trainer.save_every=0",
-        "evaluators=[]",
-        "trainer.best_metric=null",
-        "logger.mode=disabled",
-    ]
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
-    torch.manual_seed(0)
-    result = run(cfg, run_dir=root / "run")
+    options = ["head.num_layers=2", "head.num_anchors=32", f"head.target_layer_ids={DFLASH_IDS}",
+               *head_overrides]  # fmt: skip
+    cfg, result = train_tiny_draft(
+        experiment, target_dir, root / "sd.jsonl", root / "run", steps=80, head=options
+    )
     target = load_target(instantiate(cfg.model))
     head = heads.from_pretrained(result.head_dir, target).eval()
     target_file = target_gguf(target_dir, root / "target-f32.gguf", "f32")
@@ -723,6 +664,7 @@ def reduced_block_setup(request, tmp_path_factory):
     )
 
 
+@pytest.mark.integration
 def test_dflash_gguf_records_the_block_layers_and_mask(dflash_setup):
     """llama.cpp's DFlashModel (conversion/qwen.py) writes dflash.block_size, dflash.target_layers
     = z-lab ids + 1 and tokenizer.ggml.mask_token_id; with mask_embedding.pt it emits the target's
@@ -753,6 +695,7 @@ def test_dflash_gguf_records_the_block_layers_and_mask(dflash_setup):
     assert torch.equal(embed[others], target.embed_tokens.weight.detach().float()[others])
 
 
+@pytest.mark.integration
 def test_llama_cpp_dflash_speculative_equals_plain_and_acceptance_matches(dflash_setup):
     target, head, _, target_file, draft_file = dflash_setup
     counts = _chain_parity(target, head, target_file, draft_file, "draft-dflash", DFLASH_BLOCK - 1)
@@ -799,6 +742,7 @@ def _chain_parity(target, head, target_file, draft_file, spec_type: str, chain: 
     return {"harness_accepted": h_acc, "llama_cpp_accepted": e_acc, "steps": h_steps}
 
 
+@pytest.mark.integration
 def test_reduced_vocabulary_block_drafts_convert_with_d2t(reduced_block_setup):
     """llama.cpp's DSpark converter (conversion/qwen.py `DSparkModel`) writes the draft's own
     D-row output head and d2t as absolute target ids (I64), and dflash.sample_from_anchor: false
@@ -843,6 +787,7 @@ def test_reduced_vocabulary_block_drafts_convert_with_d2t(reduced_block_setup):
     assert torch.equal(embed[:mask_id], target.embed_tokens.weight.detach().float()[:mask_id])
 
 
+@pytest.mark.integration
 def test_llama_cpp_serves_reduced_vocabulary_block_drafts_losslessly(reduced_block_setup):
     target, head, _, target_file, draft_file = reduced_block_setup
     from heads.interop.gguf import spec_type_for
@@ -876,6 +821,7 @@ def _tiny_cfg(tiny_setup):
     return TargetConfig(name_or_path=str(target_dir), cache_dir=str(Path(target_file).parent))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("target_type", TARGET_TYPES)
 def test_each_target_type_serves_the_draft_without_changing_its_output(tiny_setup, target_type):
     """Every llama_cpp.target_gguf type is made once (cached), loads in llama-server, and its
@@ -948,6 +894,7 @@ def _quantised_draft_parity(setup, outtype: str, spec_type: str, chain: int) -> 
             "band": band, "bytes": draft.stat().st_size}  # fmt: skip
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("outtype", ["f16", "bf16", "q8_0"])
 def test_quantised_eagle3_drafts_accept_like_the_f32_draft(tiny_setup, outtype):
     counts = _quantised_draft_parity(tiny_setup, outtype, "draft-eagle3", CHAIN)
@@ -962,14 +909,17 @@ def _quantised_block_parity(setup) -> None:
     (Path(setup[3]).parent / "quant-q8_0.json").write_text(json.dumps(counts))
 
 
+@pytest.mark.integration
 def test_quantised_dflash_draft_accepts_like_the_f32_draft(dflash_setup):
     _quantised_block_parity(dflash_setup)
 
 
+@pytest.mark.integration
 def test_quantised_reduced_vocabulary_block_drafts_accept_like_f32(reduced_block_setup):
     _quantised_block_parity(reduced_block_setup)  # DFlash and DSpark over d2t
 
 
+@pytest.mark.integration
 def test_llama_bench_measures_a_verify_cost_curve(tiny_setup):
     from data.engines.llama_tools import verify_cost_curve
 
@@ -978,6 +928,7 @@ def test_llama_bench_measures_a_verify_cost_curve(tiny_setup):
     assert curve.depth == 16 and curve.threads == 1 and curve.info["type_k"] == "f16"
 
 
+@pytest.mark.integration
 def test_engine_ceiling_runs_end_to_end_on_the_tiny_target(tiny_setup, tmp_path):
     from eval.bench.engine_ceiling import CeilingSettings, run_ceiling
     from eval.bench.engine_ceiling_report import write

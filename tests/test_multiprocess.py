@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 from tests._dummy_head import DummyHead, label_count
@@ -20,6 +21,7 @@ from train.checkpoint import list_checkpoints, load_checkpoint
 from train.sampling import epoch_batches
 from train.tracking import read_metrics
 
+pytestmark = pytest.mark.integration  # two launches of two fresh interpreters
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "_mp_script.py"
 ARGS = ["--num-train", "16", "--num-val", "7", "--max-steps", "4", "--save-every", "2",

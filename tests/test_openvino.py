@@ -131,6 +131,7 @@ def _feed(request, ids: torch.Tensor, past: int = 0) -> torch.Tensor:
     return torch.from_numpy(out["logits"].copy())
 
 
+@pytest.mark.integration
 def test_target_ir_computes_hf_logits_and_the_draft_ir_carries_our_layout(ov_setup):
     import openvino as ov
 
@@ -166,6 +167,7 @@ def test_target_ir_computes_hf_logits_and_the_draft_ir_carries_our_layout(ov_set
     assert config["draftsmith"]["openvino_hidden_layers_list"] == [0, 1, 2]
 
 
+@pytest.mark.integration
 def test_target_folder_is_cached_by_weights(ov_setup, tmp_path):
     from heads.interop.openvino import MODEL_XML, openvino_target_dir, weights_digest
 
@@ -242,6 +244,7 @@ def _parity(ov_setup, tree, draft_dir) -> Parity:
     )
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("tree", [CHAIN, TREE], ids=["chain", "tree"])
 def test_genai_drafting_matches_the_harness_acceptance(ov_setup, tree):
     from eval.engine.tree_spec import resolve_tree
@@ -253,6 +256,7 @@ def test_genai_drafting_matches_the_harness_acceptance(ov_setup, tree):
     assert 1.2 < got.harness_tau < depth + 1 - 0.2, got
 
 
+@pytest.mark.integration
 def test_a_wrong_layer_convention_falls_outside_the_tolerance(ov_setup, tmp_path, monkeypatch):
     """The negative control: the same head exported with GenAI layer ids = aux_layers (the
     off-by-one the export exists to get right) still decodes losslessly, but its acceptance
@@ -266,6 +270,7 @@ def test_a_wrong_layer_convention_falls_outside_the_tolerance(ov_setup, tmp_path
     assert not got.within_tolerance(), got
 
 
+@pytest.mark.integration
 def test_benchmark_runs_openvino_methods_beside_hf(ov_setup, tmp_path):
     from data.generation import eos_token_ids
     from eval.bench.harness import BenchConfig, BenchRun, run_benchmark
@@ -298,6 +303,7 @@ def test_benchmark_runs_openvino_methods_beside_hf(ov_setup, tmp_path):
     assert (tmp_path / "out" / "report.md").is_file()
 
 
+@pytest.mark.integration
 def test_evaluate_resolves_the_cached_target_and_exports_the_draft(ov_setup, tmp_path):
     """evaluate.py's path (harness._engine_methods) with conf/evaluate.yaml's own openvino block:
     the target folder comes from the model cache, the draft is exported into the run dir."""

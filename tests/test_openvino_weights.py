@@ -102,6 +102,7 @@ def typed_setup(tmp_path_factory):
     return target, prompts[:2], dirs, export_openvino_draft(head, target, root / "draft")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_a_compressed_target_computes_hf_logits_of_its_dequantised_weights(typed_setup, kind):
     import openvino as ov
@@ -130,6 +131,7 @@ def test_a_compressed_target_computes_hf_logits_of_its_dequantised_weights(typed
     assert torch.allclose(got, want, atol=2e-3, rtol=1e-4)
 
 
+@pytest.mark.integration
 def test_a_run_of_several_weight_types_names_each_and_its_engines_fastest_plain(
     typed_setup, tmp_path
 ):
@@ -195,6 +197,7 @@ def test_a_run_of_several_weight_types_names_each_and_its_engines_fastest_plain(
     assert (tmp_path / "out" / "report.md").read_text().count("openvino_draft@int8") >= 2
 
 
+@pytest.mark.integration
 def test_bad_weight_types_fail_in_one_line(typed_setup, tmp_path):
     from data.errors import ConfigError
     from eval.bench.openvino import OpenVinoSettings

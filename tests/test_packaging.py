@@ -3,9 +3,10 @@ the four packages, conf/ and the corpora the code reads, laid out as in the repo
 data.paths resolves the same relative paths under site-packages), plus the two console scripts.
 
 The wheel is built from a copy of the product files (what git tracks or would add), so a build
-leaves nothing in the checkout. The installed run is an integration test: a bare venv whose only
-draftsmith is the wheel (torch and the rest come from this environment through a .pth file)
-trains eagle3_tiny for two steps and benchmarks the head, from a folder outside the repository.
+leaves nothing in the checkout. The whole file is an integration test (pip builds the wheel in a
+subprocess); its longest part is the installed run: a bare venv whose only draftsmith is the
+wheel (torch and the rest come from this environment through a .pth file) trains eagle3_tiny for
+two steps and benchmarks the head, from a folder outside the repository.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
 PRODUCT = ("train", "heads", "data", "eval", "conf")
 # a repo-relative data file named in a config or a module constant (with an optional :start:end)
@@ -127,7 +129,6 @@ def _venv_with(wheel: Path, folder: Path) -> Path:
     return folder / "bin"
 
 
-@pytest.mark.integration
 def test_the_installed_package_trains_and_evaluates_from_another_folder(wheel, tmp_path):
     bin_dir = _venv_with(wheel, tmp_path / "venv")
     cwd = tmp_path / "elsewhere"

@@ -328,6 +328,7 @@ def _record_many(path: str, worker: int) -> None:
         recipes.record(Path(path), f"w{worker}-{i}", {"tau": float(i)})
 
 
+@pytest.mark.integration
 def test_results_merge_point_by_point_across_processes(tmp_path):
     path = tmp_path / "results.json"
     recipes.record(path, "a", {"tau_chain3": 1.5})
@@ -430,6 +431,7 @@ def test_report_tables_noise_and_plot_from_a_results_file(tmp_path):
     assert "1.650 +- 0.050" in text
 
 
+@pytest.mark.integration
 def test_report_only_renders_without_points(tmp_path):
     proc = subprocess.run(
         [
@@ -457,6 +459,7 @@ def test_report_only_renders_without_points(tmp_path):
 # ---- one real point -----------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_one_point_end_to_end_on_the_tiny_experiment(tmp_path):
     """eagle3_tiny for 3 steps, then one evaluate.py run of both trees on a 2-prompt bench."""
     rows = [

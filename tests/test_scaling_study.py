@@ -96,6 +96,7 @@ def test_eagle3_positions_are_its_unrolled_steps_not_a_repeat_of_the_first():
     assert scaling_report.first_three(medusa) == ["head0", "head1", "-"]
 
 
+@pytest.mark.integration
 def test_a_data_kind_may_not_take_a_comparison_name():
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--kind", "human"], capture_output=True, text=True

@@ -108,6 +108,7 @@ def test_measure_and_its_report(tiny_llama, tmp_path):
     assert "- eagle3 packed, example targets:" in text
 
 
+@pytest.mark.integration
 def test_settings_refuse_an_unknown_part_and_the_script_parses():
     with pytest.raises(ValueError, match="parts \\['bogus'\\]"):
         ThroughputSettings(heads=[], parts=["bogus"])

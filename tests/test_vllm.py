@@ -23,6 +23,7 @@ from hydra import compose, initialize_config_dir
 
 from data.engines import vllm
 from data.engines.llama_cpp import EngineError
+from tests.conftest import save_tiny_hf_model, train_tiny_draft
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 PROMPTS = [
@@ -47,68 +48,27 @@ def _need_vllm() -> None:
 def _save_tiny_target(folder: Path) -> None:
     """A random 8-layer Llama with SmolLM2's tokenizer, weights drawn wide (std 0.1) so its greedy
     answers vary with the context. Two heads of 32 (vLLM's CPU attention has no kernel for 16)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from heads.target import TargetConfig, load_tokenizer
-
-    tokenizer = load_tokenizer("smollm2_135m", TargetConfig(name_or_path="tiny"))
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=8,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=2048,
+    save_tiny_hf_model(
+        folder, layers=8, std=0.1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
         tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.normal_(0.0, 0.1)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    )  # fmt: skip
 
 
 def _train_draft(root: Path, target_dir: Path, norms: bool, name: str) -> Path:
     """An EAGLE-3 draft trained 100 steps on the target's own greedy answers (one self-distilled
     file shared by both drafts). `norms`: EAGLE-3.1's fc_norm and norm_output, and a draft
     vocabulary of 1024 tokens (a d2t map in the export); else the whole vocabulary (none)."""
-    from train.run import run
-
-    overrides = [
-        "+experiment=eagle3_tiny",
-        f"model.name_or_path={target_dir}",
-        "model.random_init=null",
-        "model.tokenizer=null",
+    options = [
         f"head.aux_layers={AUX}",
         f"head.draft_vocab_size={1024 if norms else 'null'}",
         "head.ttt_steps=2",
         f"head.fc_norm={str(norms).lower()}",
         f"head.norm_output={str(norms).lower()}",
-        "data.sources=[]",
-        "+data.self_distill={enabled: true, prompts: [{path: data/corpora/oa_prompts_en/"
-        "prompts.jsonl, skip: 16, max_rows: 32}], max_new_tokens: 48, batch_size: 8, "
-        f"out: {root}/sd.jsonl}}",
-        "data.features=memory",
-        "trainer.max_steps=100",
-        "trainer.lr=3e-3",
-        "trainer.eval_every=0",
-        "trainer.save_every=0",
-        "evaluators=[]",
-        "trainer.best_metric=null",
-        "logger.mode=disabled",
     ]
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
-    torch.manual_seed(0)
-    return run(cfg, run_dir=root / name).head_dir
+    _, result = train_tiny_draft(
+        "eagle3_tiny", target_dir, root / "sd.jsonl", root / name, steps=100, head=options
+    )
+    return result.head_dir
 
 
 @pytest.fixture(scope="module")
@@ -260,6 +220,7 @@ def test_prometheus_counters_are_read_per_position():
 # ---- the real server -------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_unloadable_model_quotes_the_server_log(tmp_path):
     _need_vllm()
     bad = tmp_path / "broken"
@@ -274,6 +235,7 @@ def test_unloadable_model_quotes_the_server_log(tmp_path):
     assert server.proc is not None and server.proc.poll() is not None
 
 
+@pytest.mark.integration
 def test_evaluate_runs_vllm_beside_the_harness_with_the_same_acceptance(tiny, tmp_path):
     """evaluate.py's path with methods [plain, head, vllm_plain, vllm_draft]: the target folder
     served as it is, the full-vocabulary draft exported on the fly (eagle3 layout, no d2t), and
@@ -318,6 +280,7 @@ def test_evaluate_runs_vllm_beside_the_harness_with_the_same_acceptance(tiny, tm
     (tmp_path / "parity.json").write_text(json.dumps({"base/eagle3": pos}))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("layout", ["eagle3", "speculators"])
 def test_eagle3_1_draft_is_accepted_in_vllm_as_in_the_harness(tiny, tmp_path, layout):
     """The EAGLE-3.1 draft (fc_norm, norm_output, a 1024-token vocabulary) in both layouts, from a

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+from tests.conftest import save_tiny_hf_model
 
 REPO = Path(__file__).resolve().parents[1]
 GUIDE = REPO / "docs" / "guides" / "your_model.md"
@@ -53,29 +54,8 @@ def guide_commands(prefix: str) -> list[str]:
 
 def tiny_model(folder: Path, family: str) -> Path:
     """A random 2-layer model of `family` with SmolLM2's tokenizer, saved as a HF folder."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from heads.target import TargetConfig, load_tokenizer
-
-    tokenizer = load_tokenizer("smollm2_135m", TargetConfig(name_or_path="smollm2_135m"))
     extra = {"head_dim": 16} if family == "gemma3_text" else {}
-    config = AutoConfig.for_model(
-        family,
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        **extra,
-    )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_tiny_hf_model(folder, family, max_position_embeddings=1024, **extra)
 
 
 def run(command: str, model: Path, run_dir: Path, extra: list[str], cwd: Path = REPO):
