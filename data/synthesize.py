@@ -59,7 +59,7 @@ class SynthesisSpec:
     temperature / top_p / top_k / max_new_tokens: how user turns are sampled; a turn that
         reaches max_new_tokens without ending is dropped (it was cut mid-request). top_k 0 (no
         cut) makes llama-server sort the whole vocabulary for every slot and token: at Qwen's
-        152k ids a third of its speed at 8 slots, so large vocabularies want top_k 50.
+        152k ids it lost a quarter of its speed at 8 slots; large vocabularies want top_k 50.
     min_chars / max_chars / min_words: length filters on the stripped text.
     near_duplicate: word-trigram Jaccard similarity at or above which a candidate is a near
         duplicate of an earlier accepted prompt (1.0 keeps near duplicates; exact ones go anyway).
