@@ -4,7 +4,9 @@ the block between the markers).
 
 A README row is a row of the results table that its report's source.json marks `"readme": true`.
 Its recipe cell names a conf/experiment/*.yaml first, in backticks; one row per recipe, at most
-README_MAX_ROWS, highest tau first. Its speedup is against the fastest plain decoding of its
+README_MAX_ROWS: the row marked `"lead": true` first (the measurement a newcomer should see:
+the second target's, against the machine's fastest plain decoding), then the highest tau. Its
+speedup is against the fastest plain decoding of its
 engine in its run (the HF harness runs one plain decoding, and the cell says so).
 """
 
@@ -36,6 +38,7 @@ class ReadmeRow(Protocol):
     machine: str
     report: str  # relative to docs/
     readme: bool
+    lead: bool
 
 
 def recipe_name(row: ReadmeRow) -> str | None:
@@ -64,8 +67,11 @@ def _link(row: ReadmeRow) -> str:
 
 
 def readme_rows(rows: list[ReadmeRow], budgets: dict[str, float | None]) -> list[ReadmeRow]:
-    """The rows marked `readme`, highest tau first; one per recipe of conf/experiment."""
-    shown = sorted((r for r in rows if r.readme), key=lambda r: -r.tau)
+    """The rows marked `readme`, the lead first, then highest tau; one per recipe of
+    conf/experiment."""
+    shown = sorted((r for r in rows if r.readme), key=lambda r: (not r.lead, -r.tau))
+    if sum(r.lead for r in shown) > 1:
+        raise DraftsmithError('README rows: mark one row "lead": true, not several.')
     names = [recipe_name(r) for r in shown]
     not_recipes = [r.recipe for r, name in zip(shown, names) if name not in budgets]
     twice = sorted({name for name in names if names.count(name) > 1})
@@ -79,11 +85,14 @@ def readme_rows(rows: list[ReadmeRow], budgets: dict[str, float | None]) -> list
 
 
 def _which_recipe(shown: list[ReadmeRow], budgets: dict[str, float | None]) -> str:
-    best = shown[0]
+    best = max(shown, key=lambda r: r.tau)
     budget = budgets[recipe_name(best)]
     text = f"**Which recipe:** `{recipe_name(best)}` for the best tau ({best.tau:.2f}"
     text += f", {_minutes(budget)})" if budget else ")"
-    short = [r for r in shown if (budgets[recipe_name(r)] or 1e9) <= SHORT_BUDGET_MIN]
+    short = sorted(
+        (r for r in shown if (budgets[recipe_name(r)] or 1e9) <= SHORT_BUDGET_MIN),
+        key=lambda r: -r.tau,
+    )
     if short and short[0] is not best:
         text += (
             f"; `{recipe_name(short[0])}` when you have {SHORT_BUDGET_MIN} minutes "

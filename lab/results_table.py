@@ -63,6 +63,7 @@ class Row:
     date: str
     report: str  # relative to docs/
     readme: bool
+    lead: bool = False  # the README's first row (source.json "lead": true)
 
 
 @dataclass(frozen=True)
@@ -292,6 +293,7 @@ def _rows_of_run(run: Run, summary: dict, specs: dict, where: Path) -> list[Row]
                 date=run.date,
                 report=run.report,
                 readme=bool(spec.get("readme", False)),
+                lead=bool(spec.get("lead", False)),
                 **cells,
             )
         )

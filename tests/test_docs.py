@@ -102,9 +102,15 @@ def test_readme_shows_one_row_per_recipe_and_which_to_use():
     assert len(set(names)) == len(names)
     assert all((ROOT / "conf" / "experiment" / f"{name}.yaml").is_file() for name in names)
     taus = [float(re.search(r"\| (\d+\.\d\d) on ", row).group(1)) for row in rows]
-    assert taus == sorted(taus, reverse=True)
+    leads = [r for r in results_table.load(ROOT)[1] if r.readme and r.lead]
+    assert len(leads) <= 1
+    rest = taus[len(leads) :]  # the lead row first, the others by tau
+    assert rest == sorted(rest, reverse=True)
+    if leads:
+        assert names[0] == readme_table.recipe_name(leads[0])
     which = next(line for line in block if line.startswith("**Which recipe:**"))
-    assert which.startswith(f"**Which recipe:** `{names[0]}` for the best tau")
+    best = names[taus.index(max(taus))]
+    assert which.startswith(f"**Which recipe:** `{best}` for the best tau")
     assert "stop 4" not in "\n".join(block)  # rows say what ran, not which session ran it
 
 
@@ -123,6 +129,35 @@ def test_two_readme_rows_of_one_recipe_are_a_clear_error(tmp_path):
     rows[other] = {**rows[key], "readme": True}  # the same recipe, shown twice
     sidecar.write_text(json.dumps(data))
     with pytest.raises(DraftsmithError, match="one per recipe .* marked twice"):
+        results_table.render(root)
+
+
+def test_the_lead_row_comes_first_and_only_one_may_lead(tmp_path):
+    root = _copy_checkout(tmp_path)
+    marked = [
+        (path, i, k, spec["recipe"])
+        for path in sorted((root / "docs").rglob(results_table.SIDECAR))
+        for i, run in enumerate(json.loads(path.read_text())["runs"])
+        for k, spec in run.get("rows", {}).items()
+        if spec.get("readme")
+    ]
+    assert len(marked) >= 2
+
+    def lead(path, index, key):
+        data = json.loads(path.read_text())
+        data["runs"][index]["rows"][key]["lead"] = True
+        path.write_text(json.dumps(data))
+
+    before = results_table.render(root)[root / "README.md"]
+    top = next(line for line in before.splitlines() if line.startswith("| `"))
+    path, index, key, recipe = next(m for m in marked if not top.startswith(f"| {m[3][:12]}"))
+    lead(path, index, key)
+    block = results_table.render(root)[root / "README.md"]
+    first = next(line for line in block.splitlines() if line.startswith("| `"))
+    name = re.match(r"`(\w+)`", recipe).group(1)
+    assert first.startswith(f"| `{name}`")
+    lead(*marked[0][:3])
+    with pytest.raises(DraftsmithError, match='mark one row "lead"'):
         results_table.render(root)
 
 
