@@ -57,6 +57,23 @@ log = logging.getLogger(__name__)
 GENERATION_DTYPES = ("float32", "bfloat16", "float16")  # distill.dtype (the hf backend)
 
 
+def _check_source_names(prompts: list[dict]) -> None:
+    """A synthesis entry's name keys its conversations, so it may not repeat an earlier
+    source's (a file's stem); checked here, before minutes of generation, not after."""
+    seen: set[str] = set()
+    for spec in prompts:
+        if "synthesize" in spec:
+            name = spec["synthesize"].get("name", "synth")
+            if name in seen:
+                raise ValueError(
+                    f"two prompt sources are named {name!r}; give the synthesis entry its own "
+                    "name (e.g. name: written)"
+                )
+        else:
+            name = Path(str(spec["path"])).stem
+        seen.add(name)
+
+
 @dataclass
 class DistillConfig:
     """How to regenerate.
@@ -125,6 +142,7 @@ class DistillConfig:
         if not self.prompts:
             raise ValueError("distill.prompts is empty: give at least one prompt file.")
         self.prompts = [_prompt_spec(p) for p in self.prompts]
+        _check_source_names(self.prompts)
         if self.temperature < 0:
             raise ValueError(f"distill.temperature={self.temperature}: use 0 (greedy) or > 0.")
         if not 0 < self.top_p <= 1:

@@ -432,3 +432,16 @@ def test_synthesis_logs_where_it_stands_before_each_round_of_blocks(writer, tmp_
     assert any("kept 3 of" in r.getMessage() for r in caplog.records)
     blocks = [r.getMessage() for r in caplog.records if " written, " in r.getMessage()]
     assert blocks and blocks[0].startswith("synthesis synth: block 1 of ")
+
+
+def test_a_synthesis_name_taken_by_an_earlier_source_fails_before_any_generation(tmp_path):
+    """The clash used to surface after the synthesis had run (12 minutes at 1.5B)."""
+    code = tmp_path / "code.jsonl"
+    code.write_text('{"id": "a", "prompt": "hi"}\n')
+    twice = [{"path": str(code)}, {"synthesize": 4, "name": "code"}]  # as conf/data writes it
+    with pytest.raises(ValueError, match="two prompt sources are named 'code'"):
+        DistillConfig(prompts=twice, out=str(tmp_path / "o.jsonl"))
+    # another name, or the file after the synthesis (it is renamed), is fine
+    DistillConfig(prompts=[twice[0], {"synthesize": 4, "name": "written"}],
+                  out=str(tmp_path / "o.jsonl"))  # fmt: skip
+    DistillConfig(prompts=twice[::-1], out=str(tmp_path / "o.jsonl"))
