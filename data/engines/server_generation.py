@@ -29,12 +29,22 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from data.engines import vllm
 from data.engines.llama_cpp import LlamaServer, ServerConfig
 from data.engines.server import EngineError, ServerProcess, post_json
 
 BACKENDS = ("hf", "llama_cpp", "openai", "vllm")
+
+
+class Sampling(NamedTuple):
+    """How one request samples: temperature 0 is greedy; top_k 0 is no cut."""
+
+    temperature: float
+    top_p: float
+    limit: int  # max new tokens
+    top_k: int
 
 
 @dataclass
@@ -217,7 +227,7 @@ class ServerGenerator:
         temperature / top_p / max_new_tokens override the answer settings for this call; top_k
         (0 or None: no cut) bounds sampling, which llama-server otherwise does over the whole
         vocabulary, one slot after another (at a 152k vocabulary, most of a 32-slot step)."""
-        sampling = (
+        sampling = Sampling(
             self.temperature if temperature is None else temperature,
             self.top_p if top_p is None else top_p,
             self.max_new_tokens if max_new_tokens is None else max_new_tokens,
@@ -225,10 +235,10 @@ class ServerGenerator:
         )
         seeds = [(seed + i) % 2**31 for i in range(len(prompts))]
         if len(prompts) == 1:  # one turn of a streamed conversation: already in its own thread
-            return [self._one(prompts[0], seeds[0], *sampling)]
+            return [self._one(prompts[0], seeds[0], sampling)]
         pool = RequestPool(min(self.cfg.parallel, len(prompts)))
         try:
-            jobs = [pool.submit(self._one, p, s, *sampling) for p, s in zip(prompts, seeds)]
+            jobs = [pool.submit(self._one, p, s, sampling) for p, s in zip(prompts, seeds)]
             return results(jobs)
         finally:
             pool.close()
@@ -239,37 +249,22 @@ class ServerGenerator:
         running = self.server.tokens_in_flight() if isinstance(self.server, LlamaServer) else 0
         return self._tokens_done + running
 
-    def _one(
-        self,
-        prompt: list[int],
-        seed: int,
-        temperature: float,
-        top_p: float,
-        limit: int,
-        top_k: int = 0,
-    ) -> tuple[list[int], str]:
+    def _one(self, prompt: list[int], seed: int, sampling: Sampling) -> tuple[list[int], str]:
         if self.closed:
             raise EngineError("the generator was closed (the run was stopped)")
         if self.cfg.backend == "llama_cpp":
-            ids = self._llama_cpp(prompt, seed, temperature, top_p, limit, top_k)
+            ids = self._llama_cpp(prompt, seed, sampling)
         else:
-            ids = self._openai(prompt, seed, temperature, top_p, limit, top_k)
+            ids = self._openai(prompt, seed, sampling)
         with self._count_lock:
             self._tokens_done += len(ids)
         cut = next((j for j, t in enumerate(ids) if t in self.eos), None)
         if cut is not None:
             return ids[:cut], "eos"
-        return ids[:limit], "length"
+        return ids[: sampling.limit], "length"
 
-    def _llama_cpp(
-        self,
-        prompt: list[int],
-        seed: int,
-        temperature: float,
-        top_p: float,
-        limit: int,
-        top_k: int = 0,
-    ) -> list[int]:
+    def _llama_cpp(self, prompt: list[int], seed: int, sampling: Sampling) -> list[int]:
+        temperature, top_p, limit, top_k = sampling
         extra = {} if temperature == 0 else {"top_p": top_p, "top_k": top_k, "min_p": 0.0}
         done = self.server.complete(prompt, limit, temperature=temperature, seed=seed, **extra)
         ids = list(done.tokens)
@@ -277,15 +272,8 @@ class ServerGenerator:
             ids.append(min(self.eos))  # the server stopped at EOS without returning it
         return ids
 
-    def _openai(
-        self,
-        prompt: list[int],
-        seed: int,
-        temperature: float,
-        top_p: float,
-        limit: int,
-        top_k: int = 0,
-    ) -> list[int]:
+    def _openai(self, prompt: list[int], seed: int, sampling: Sampling) -> list[int]:
+        temperature, top_p, limit, top_k = sampling
         """One /v1/completions request. vllm: to the server started here, token ids both ways;
         else the rendered prompt's text to `server_url`, the answer's text tokenised."""
         body = {
